@@ -1,0 +1,1 @@
+"""Media decoding, encoder towers and the encoder cache (epd.encoders)."""

@@ -1,0 +1,181 @@
+"""KV cache blocks: allocation, reference counts and the prefix cache.
+
+Design follows vLLM v1 (``core/block_pool.py`` + ``core/kv_cache_manager.py``)
+and nano-vllm's ``BlockManager``: a full block's hash chains its parent's hash,
+its token ids and any extra keys (media item hashes), so two sequences share a
+block only when everything before and inside it is equal. Freed blocks keep
+their hash and stay reusable until evicted in LRU order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+
+import numpy as np
+import xxhash
+
+from epd.sequence import Sequence
+
+
+def hash_block(parent: bytes | None, token_ids: Seq[int], extra_keys: tuple[str, ...] = ()) -> bytes:
+    """Hash of one full block in a prefix chain: xxh3-128, full 16-byte digest.
+
+    ``parent``: the previous block's hash (None for the first block);
+    ``token_ids``: the block's ``block_size`` token ids; ``extra_keys``: media
+    item hashes (hex strings) overlapping the block.
+    """
+    h = xxhash.xxh3_128()
+    h.update(parent if parent is not None else b"\0" * 16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    for key in extra_keys:
+        h.update(b"\x1f")
+        h.update(key.encode())
+    return h.digest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: bytes | None = None
+
+
+class BlockManager:
+    """Owns ``num_blocks`` KV blocks of ``block_size`` tokens.
+
+    Invariants: a block is in ``free_blocks`` iff its ref_count is 0; a hashed
+    block is in ``cached_blocks`` under its hash (first writer wins).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # LRU order: the first entry is evicted first.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[bytes, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by running sequences (0..1)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    # ---- prefix cache -------------------------------------------------
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Hash chain of the first ``num_blocks`` full blocks of ``seq``."""
+        hashes: list[bytes] = []
+        parent = None
+        bs = self.block_size
+        for i in range(num_blocks):
+            parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.block_extra_keys(i, bs))
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq`` (full blocks only).
+
+        At least one token is always left to compute so the step yields logits.
+        Counts the lookup in ``prefix_cache_queries`` / ``_hits`` (tokens).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        parent = None
+        bs = self.block_size
+        for i in range(max_blocks):
+            parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.block_extra_keys(i, bs))
+            block_id = self.cached_blocks.get(parent)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += len(hit) * bs
+        return hit
+
+    # ---- allocation ---------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``seq``.
+
+        ``computed_blocks`` (first schedule only) are prefix-cache hits that
+        become the head of the block table. Returns False, changing nothing,
+        when not enough free blocks exist.
+        """
+        computed_blocks = computed_blocks or []
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = needed - len(seq.block_table) - len(computed_blocks)
+        # Cached blocks that are currently free stop being free once touched.
+        num_touched_free = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks + num_touched_free > self.num_free_blocks:
+            return False
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        for _ in range(max(0, num_new_blocks)):
+            seq.block_table.append(self._pop_free_block())
+        return True
+
+    def _pop_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) == block_id:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Give a hash to every block of ``seq`` whose tokens are all computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        parent = None
+        bs = self.block_size
+        for i in range(num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is not None:
+                parent = block.block_hash
+                continue
+            parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.block_extra_keys(i, bs))
+            block.block_hash = parent
+            self.cached_blocks.setdefault(parent, block.block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of ``seq``; hashed blocks stay cached until evicted.
+
+        Blocks are released tail first, so the end of a prompt is evicted before
+        its (more shareable) beginning.
+        """
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+                if block.block_hash is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents)."""
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()

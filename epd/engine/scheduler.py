@@ -1,0 +1,149 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget (``max_num_batched_tokens``). Running sequences
+come first (one token per decode, the next chunk of a partly prefilled
+prompt), then waiting ones are admitted while budget, ``max_num_seqs`` and
+free blocks allow. When a running sequence cannot get a block, the newest
+running sequence is preempted: its blocks are freed and it goes back to the
+front of the queue to be recomputed later. Source: vLLM v1
+``core/sched/scheduler.py`` (unified prefill/decode token budget), nano-vllm
+``Scheduler``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from epd.engine.block_manager import BlockManager
+from epd.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens ``[start, start + num_tokens)``.
+
+    ``sample`` is True when the chunk reaches the end of the sequence, so the
+    step's logits for its last token produce the next token.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Decides which tokens of which sequences run in the next step."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+        preempted = False
+
+        # 1. Running sequences: decodes and unfinished chunked prefills.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+                scheduled_ids.add(seq.seq_id)
+                budget -= num_new
+                i += 1
+                continue
+            # ``seq`` itself was preempted; it was the last running sequence.
+            break
+
+        # 2. Waiting sequences (not in a step that had to preempt).
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            computed = self.block_manager.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
+            num_computed = len(computed) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, computed):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_computed
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_computed, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Apply a step's results. ``sampled``: seq_id -> new token id.
+
+        Returns the sequences that received a token this step (finished ones
+        included, already removed from ``running`` and freed).
+        """
+        changed: list[Sequence] = []
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if not s.sample:
+                continue
+            seq.token_ids.append(sampled[seq.seq_id])
+            changed.append(seq)
+        return changed
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End ``seq`` (any state) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.block_manager.free(seq)

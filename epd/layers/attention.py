@@ -1,0 +1,93 @@
+"""Paged attention layer: stores new K/V into the cache, then attends.
+
+The step's tokens are flattened as in vLLM v1: decode tokens (one per
+sequence) first, then each prefill chunk. ``AttentionMetadata`` describes the
+layout; the model runner sets it for the duration of a forward pass with
+``set_attention_metadata``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epd.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_ref
+from epd.kernels.store_kv import store_kvcache
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence's chunk of new tokens: rows [q_start, q_start + q_len) of the
+    step; ``context_len`` = cached tokens before the chunk + q_len;
+    ``block_table``: [num_blocks] int32."""
+
+    q_start: int
+    q_len: int
+    context_len: int
+    block_table: torch.Tensor
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """slot_mapping: [num_tokens] int64; decode_block_tables: [num_decodes,
+    max_blocks] int32; decode_context_lens: [num_decodes] int32."""
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None
+    decode_context_lens: torch.Tensor | None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+_METADATA: AttentionMetadata | None = None
+
+
+@contextmanager
+def set_attention_metadata(metadata: AttentionMetadata):
+    global _METADATA
+    _METADATA = metadata
+    try:
+        yield
+    finally:
+        _METADATA = None
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention over a paged KV cache.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads,
+    head_dim]; returns [num_tokens, num_heads, head_dim]. ``k_cache`` /
+    ``v_cache`` ([num_blocks, block_size, num_kv_heads, head_dim]) are bound by
+    the model runner after the cache is allocated.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        md = _METADATA
+        assert md is not None, "attention called outside set_attention_metadata()"
+        store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        out = torch.empty_like(q)
+        nd = md.num_decode_tokens
+        if nd:
+            out[:nd] = paged_decode_attention(q[:nd], self.k_cache, self.v_cache,
+                                              md.decode_block_tables, md.decode_context_lens, self.scale)
+        for p in md.prefills:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            if p.context_len == p.q_len:  # no cached prefix: attend to this chunk's own K/V
+                qs, ks, vs = (t[rows].transpose(0, 1) for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
+                                                   enable_gqa=self.num_heads != self.num_kv_heads)
+                out[rows] = o.transpose(0, 1)
+            else:
+                out[rows] = paged_prefill_attention_ref(q[rows], self.k_cache, self.v_cache,
+                                                        p.block_table, p.context_len, self.scale)
+        return out

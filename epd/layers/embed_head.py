@@ -1,0 +1,54 @@
+"""Vocab-parallel embedding and LM head (vocabulary split over TP ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epd.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with rows [rank * V/tp, (rank+1) * V/tp) on each rank.
+
+    input_ids: [num_tokens] int64 -> [num_tokens, hidden]. Ids outside this
+    rank's range embed to zero before the all-reduce. The vocabulary is padded
+    up to a multiple of tp; padded rows are zero.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.num_embeddings = num_embeddings
+        self.per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.per_rank * self.tp_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = loaded[self.vocab_start:self.vocab_start + self.per_rank]
+        param.data.zero_()
+        param.data[:rows.size(0)].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mask = (local >= 0) & (local < self.per_rank)
+        y = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mask.unsqueeze(-1)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """LM head sharing the embedding's vocab split; logits gathered on rank 0.
+
+    hidden: [n, hidden] -> logits [n, vocab] (fp32) on rank 0, None on others.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)
+        logits = gather_last_dim(logits)
+        if logits is None:
+            return None
+        return logits[..., :self.num_embeddings].float()

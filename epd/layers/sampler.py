@@ -1,0 +1,69 @@
+"""Token sampling: penalties, temperature, top-k, top-p, per-request seeds.
+
+Greedy rows take the argmax. Random rows draw with the exponential-race trick
+(argmax of p / E, E ~ Exp(1), equivalent to sampling from p), as vLLM v1's
+``TopKTopPSampler`` does; a seeded request draws its noise from its own
+``torch.Generator`` so its tokens do not depend on the rest of the batch.
+Penalties follow the OpenAI API: logit -= presence * [count > 0] + frequency * count
+over the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epd.sequence import Sequence
+
+
+class Sampler:
+    """Samples one token per row of ``logits`` ([n, vocab], fp32)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        logits = logits.float()
+        n, vocab = logits.shape
+        params = [s.params for s in seqs]
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            logits = self._apply_penalties(logits, seqs)
+        greedy = [p.greedy for p in params]
+        out = logits.argmax(dim=-1)
+        if all(greedy):
+            return out.tolist()
+        rows = [i for i in range(n) if not greedy[i]]
+        sub = logits[rows]
+        temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
+        sub = sub / temps[:, None]
+        top_ks = [params[i].top_k for i in rows]
+        top_ps = [params[i].top_p for i in rows]
+        if any(0 < k < vocab for k in top_ks):
+            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
+            kth = sub.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            sub = sub.masked_fill(sub < kth, float("-inf"))
+        if any(p < 1.0 for p in top_ps):
+            sorted_logits, idx = sub.sort(dim=-1, descending=False)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            p = torch.tensor(top_ps, dtype=torch.float32)[:, None]
+            drop = cum <= (1 - p)
+            drop[:, -1] = False  # always keep the most likely token
+            sub = sub.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+        probs = sub.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rows):
+            gen = seqs[i].generator or self.generator
+            noise[j].exponential_(generator=gen)
+        out[rows] = (probs / noise).argmax(dim=-1)
+        return out.tolist()
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        counts = torch.zeros_like(logits)
+        for i, s in enumerate(seqs):
+            out_ids = s.output_token_ids
+            if out_ids:
+                ids = torch.tensor(out_ids, dtype=torch.long)
+                counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
+        presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
+        frequency = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
+        return logits - presence * (counts > 0) - frequency * counts

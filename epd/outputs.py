@@ -1,0 +1,38 @@
+"""What the engine returns for a request (vLLM's ``RequestOutput`` shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence.
+
+    ``token_ids`` are all generated ids (a matched stop token id included);
+    ``text`` is their detokenized text with any matched stop string cut;
+    ``finish_reason`` is None while running, else "stop" (EOS, stop token or stop
+    string), "length" (max_tokens or max_model_len) or "abort".
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request after an engine step, or its final result.
+
+    ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

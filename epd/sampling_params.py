@@ -1,0 +1,71 @@
+"""Per-request sampling parameters, in vLLM's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each output token and when to stop.
+
+    Args:
+        temperature: 0 means greedy (argmax); > 0 scales logits before sampling.
+        top_p: nucleus sampling, keep the smallest set of tokens whose probability
+            mass reaches ``top_p`` (1.0 = off).
+        top_k: keep the ``top_k`` most likely tokens (0 or -1 = off).
+        seed: per-request seed; the same seed, prompt and parameters give the same
+            tokens whatever else is in the batch.
+        presence_penalty / frequency_penalty: OpenAI semantics, applied to logits of
+            tokens already generated (``logit -= presence * (count > 0) + frequency * count``).
+        max_tokens: maximum number of generated tokens (>= 1).
+        stop: strings that end generation; the matched string is cut from the text
+            unless ``include_stop_str_in_output``.
+        stop_token_ids: token ids that end generation (kept in ``token_ids``).
+        ignore_eos: keep generating after the model's end-of-sequence token.
+        skip_special_tokens: drop special tokens from the detokenized text.
+
+    Raises:
+        ValueError: on out-of-range values (the message names the field).
+
+    Source: vLLM ``SamplingParams``; penalties follow the OpenAI API reference.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or [])]
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

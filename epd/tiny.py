@@ -1,0 +1,234 @@
+"""Tiny random checkpoints for tests and benchmarks, built offline in well under a second.
+
+``build_tiny_tokenizer()`` trains a ~512-entry byte-level BPE on a fixed corpus (so any
+UTF-8 text encodes and round-trips) with SmolLM2-style ChatML special tokens and chat
+template.  ``create_tiny_model(kind, out_dir)`` writes a transformers checkpoint
+(config.json, model.safetensors, generation_config.json, tokenizer files) of the given
+family with hidden size 64 and 2 layers that ``AutoModelForCausalLM.from_pretrained``
+and epd's own model code both load.
+
+Weights are random, but not transformers' default init (normal, std 0.02): with that,
+every logit of a 64-wide model sits within ~1e-3 of the others, so the greedy argmax is
+decided by fp32 rounding noise and two correct implementations (transformers and epd's
+paged-attention kernels, batched or not) pick different tokens.  Re-initialising with a
+much larger scale (weights std 0.5, norms 1 + noise) spreads the logits over several
+units, so top-1/top-2 gaps are orders of magnitude above rounding noise and greedy
+outputs can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import pathlib
+from collections.abc import Callable
+
+__all__ = ["TINY_KINDS", "TINY_CHAT_TEMPLATE", "build_tiny_tokenizer", "create_tiny_model"]
+
+# ChatML as SmolLM2 uses it, minus SmolLM2's default system prompt (keeps prompts short).
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOKENIZER_VOCAB_SIZE = 512
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with "
+    "a single step. What is the capital of France? The capital of France is Paris, a city "
+    "on the river Seine known for its museums, cafes and the Eiffel Tower.",
+    "Large language models generate text one token at a time. Serving them efficiently means "
+    "batching many requests together, keeping the key and value cache in fixed-size pages, "
+    "and splitting the work into encode, prefill and decode stages that can run on "
+    "different machines.",
+    "Once upon a time there was a little robot who lived in a lighthouse by the sea. Every "
+    "night it counted the ships: one, two, three, four, five, six, seven, eight, nine, ten. "
+    "In the morning it wrote a short report and then it went back to sleep.",
+    "Hello! How are you today? I am fine, thank you. Could you please tell me the weather "
+    "in London, Tokyo and New York? It is sunny and warm, with a light breeze from the west.",
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i, add(i, i * 2))\n",
+    "Numbers and symbols: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159 2024-01-31 12:30 "
+    "[brackets] {braces} (parentheses) <angle> \"quotes\" 'apostrophes' #hash @at $5 50% & *",
+    "Unicode text: café, naïve, jalapeño, Zürich, Ελληνικά, русский язык, 日本語のテキスト, "
+    "中文文本, 한국어 문장, emoji 🙂🚀🌍, math ∑ ∞ ≤ ≥ → ±.",
+)
+
+# Qwen2's pre-tokenizer split (GPT-4-like, single digits).
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+_MODEL_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    # Exactly the pipeline transformers' Qwen2Tokenizer rebuilds around the saved
+    # vocab/merges: AutoTokenizer ignores tokenizer_config.json's "TokenizersBackend" for
+    # model_type "qwen2" (listed in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS) and builds
+    # Qwen2Tokenizer, which replaces normalizer, pre-tokenizer and decoder.  Using the
+    # same pipeline makes every tiny checkpoint tokenize identically however it's loaded.
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(_CORPUS), trainer=trainer)
+    return tok.to_str()
+
+
+def build_tiny_tokenizer():
+    """A fresh ``PreTrainedTokenizerFast`` (byte-level BPE, ~512 tokens, ChatML template;
+    eos ``<|im_end|>``, pad ``<|endoftext|>``, no bos).  Deterministic; the BPE is
+    trained once per process (~10 ms) and cached."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        model_max_length=_MODEL_DIMS["max_position_embeddings"],
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
+    return tokenizer
+
+
+def _base_kwargs(tokenizer) -> dict:
+    vocab = int(math.ceil(len(tokenizer) / 64) * 64)
+    return dict(
+        _MODEL_DIMS,
+        vocab_size=vocab,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        rms_norm_eps=1e-6,
+    )
+
+
+def _llama_config(tokenizer):
+    from transformers import LlamaConfig
+
+    # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
+    # head_dim 16 with theta 1e4 gives wavelengths 6..2e4 tokens, so with these llama3
+    # settings (high-freq cutoff 256/4 = 64, low-freq cutoff 256/1 = 256) some
+    # frequencies stay, one is smoothly interpolated and the rest are divided by 8.
+    return LlamaConfig(
+        **_base_kwargs(tokenizer),
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    )
+
+
+def _qwen2_config(tokenizer):
+    from transformers import Qwen2Config
+
+    # Qwen2 always has q/k/v biases (no attention_bias switch).
+    return Qwen2Config(
+        **_base_kwargs(tokenizer),
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False,
+    )
+
+
+def _qwen3_config(tokenizer):
+    from transformers import Qwen3Config
+
+    # Qwen3: explicit head_dim, RMSNorm on q and k per head, no biases; tied
+    # embeddings like the small real Qwen3 checkpoints.
+    return Qwen3Config(
+        **_base_kwargs(tokenizer),
+        head_dim=16,
+        attention_bias=False,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False,
+    )
+
+
+_CONFIGS: dict[str, Callable] = {
+    "llama": _llama_config,
+    "qwen2": _qwen2_config,
+    "qwen3": _qwen3_config,
+}
+TINY_KINDS = tuple(_CONFIGS)
+
+
+def _reinit_(model, seed: int) -> None:
+    """Large-scale random init so greedy decoding is decisive (see module docstring)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights appear once
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+            if "norm" in module:
+                p.copy_(1.0 + 0.1 * noise)  # RMSNorm gains (incl. qwen3 q_norm/k_norm)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.5 * noise)
+
+
+def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
+    """Write a tiny random ``kind`` checkpoint (``"llama"``, ``"qwen2"`` or ``"qwen3"``)
+    with its tokenizer to ``out_dir`` and return it as a Path."""
+    if kind not in _CONFIGS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(TINY_KINDS)}")
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    config = _CONFIGS[kind](tokenizer)
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _reinit_(model, seed)
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,328 @@
+"""Attention over the paged KV cache: decode (one query per sequence) and chunked prefill.
+
+Decode has a Triton kernel for CUDA tensors and a batched torch reference; prefill is torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_decode_attention_triton",
+    "paged_prefill_attention_ref",
+]
+
+
+def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] "
+                         f"and equal, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim mismatch: q {head_dim}, cache {k_cache.shape[3]}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [num_seqs={num_seqs}, max_num_blocks], "
+                         f"got {tuple(block_tables.shape)}")
+    if context_lens.dim() != 1 or context_lens.shape[0] != num_seqs:
+        raise ValueError(f"context_lens must be [num_seqs={num_seqs}], got {tuple(context_lens.shape)}")
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Decode attention over a paged KV cache, batched torch reference.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]``, one query token per sequence (fp32/fp16/bf16).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``. GQA:
+            ``num_heads % num_kv_heads == 0`` and query head ``h`` reads kv head
+            ``h // (num_heads // num_kv_heads)``.
+        block_tables: ``[num_seqs, max_num_blocks]`` int32 (int64 fine). Only the first
+            ``ceil(context_lens[i] / block_size)`` entries of row ``i`` are read; later
+            entries may hold anything (-1, 0, stale ids).
+        context_lens: ``[num_seqs]`` int32, valid tokens per sequence (>= 1), the current
+            token included (already stored in the cache).
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in ``q.dtype``; scores, softmax and the weighted
+        sum are computed in fp32.
+
+    Same contract as vLLM's ``paged_attention_v1`` (csrc/attention) and nano-vllm's decode
+    path (``flash_attn_with_kvcache`` with ``block_table``). All sequences are gathered at
+    once: ``k_cache[block_tables]`` -> ``[B, blocks*block_size, Hkv, D]``, padded to the
+    longest context, then a length-masked fp32 matmul + softmax per kv-head group.
+    """
+    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    device = k_cache.device
+    if num_seqs == 0:
+        return torch.empty_like(q)
+
+    ctx = context_lens.to(device=device, dtype=torch.long)
+    max_ctx = int(ctx.max())
+    num_blocks = max(1, -(-max_ctx // block_size))
+    tables = block_tables[:, :num_blocks].to(device=device, dtype=torch.long)
+    # Entries past each sequence's last block are garbage: point them at block 0.
+    needed = (torch.arange(tables.shape[1], device=device) * block_size)[None, :] < ctx[:, None]
+    tables = torch.where(needed, tables, torch.zeros_like(tables))
+    max_tokens = tables.shape[1] * block_size
+
+    # [B, nblk, bs, Hkv, D] -> [B, T, Hkv, D] -> [B, Hkv, T, D], fp32
+    k = k_cache[tables].reshape(num_seqs, max_tokens, num_kv_heads, head_dim)
+    v = v_cache[tables].reshape(num_seqs, max_tokens, num_kv_heads, head_dim)
+    k = k.to(torch.float32).transpose(1, 2)
+    v = v.to(torch.float32).transpose(1, 2)
+    qg = q.to(device=device, dtype=torch.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
+
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * float(scale)  # [B, Hkv, G, T]
+    valid = torch.arange(max_tokens, device=device)[None, :] < ctx[:, None]  # [B, T]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)  # [B, Hkv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(device=q.device, dtype=q.dtype)
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_table: torch.Tensor, context_len: int,
+                                scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's chunk of new tokens over its paged cache (torch).
+
+    Args:
+        q: ``[num_new_tokens, num_heads, head_dim]``: queries for absolute positions
+            ``context_len - num_new_tokens ... context_len - 1``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; the new
+            tokens' K/V are already stored, as are the ``context_len - num_new_tokens``
+            earlier (prefix-cached or previous-chunk) tokens. GQA as in decode.
+        block_table: ``[num_blocks_of_seq]`` int32, this sequence's blocks only; entries past
+            ``ceil(context_len / block_size)`` are ignored.
+        context_len: int (or 0-d tensor), all tokens of the sequence so far, new ones included.
+        scale: softmax scale.
+
+    Returns:
+        ``[num_new_tokens, num_heads, head_dim]`` in ``q.dtype``. Query ``i`` attends to key
+        positions ``<= context_len - num_new_tokens + i``; computed in fp32 with
+        ``F.scaled_dot_product_attention`` (boolean causal-with-offset mask, ``enable_gqa``).
+
+    Matches chunked prefill in vLLM (``context_attention_fwd`` /
+    ``flash_attn_varlen_func`` with ``block_table``) and nano-vllm's prefix-cache prefill.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_new_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache/v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] and equal")
+    num_new, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    context_len = int(context_len)
+    if num_new > context_len:
+        raise ValueError(f"num_new_tokens={num_new} > context_len={context_len}")
+    if num_new == 0:
+        return torch.empty_like(q)
+    device = k_cache.device
+    num_blocks = -(-context_len // block_size)
+    if block_table.shape[0] < num_blocks:
+        raise ValueError(f"block_table has {block_table.shape[0]} blocks, context_len={context_len} "
+                         f"needs {num_blocks}")
+    table = block_table[:num_blocks].to(device=device, dtype=torch.long)
+    k = k_cache[table].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:context_len]
+    v = v_cache[table].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:context_len]
+
+    q_pos = torch.arange(context_len - num_new, context_len, device=device)
+    k_pos = torch.arange(context_len, device=device)
+    mask = k_pos[None, :] <= q_pos[:, None]  # [n, T]; every row has key 0
+
+    qf = q.to(device=device, dtype=torch.float32).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    kf = k.to(torch.float32).transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
+    vf = v.to(torch.float32).transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=float(scale),
+                                         enable_gqa=num_heads != num_kv_heads)
+    return out[0].transpose(0, 1).to(device=q.device, dtype=q.dtype)
+
+
+# --------------------------------------------------------------------------- Triton
+
+def _interpret_mode() -> bool:
+    """Whether ``triton.jit`` builds interpreted functions right now (TRITON_INTERPRET)."""
+    try:
+        from triton import knobs  # triton >= 3.4 reads the env var through knobs
+
+        return bool(knobs.runtime.interpret)
+    except Exception:
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_KERNELS: dict[bool, object] = {}
+
+
+def _get_kernel():
+    """Build (once per interpret mode) and return the jitted decode kernel.
+
+    Defined lazily because triton picks compiled vs interpreted at ``@triton.jit`` time;
+    importing this module never imports triton.
+    """
+    mode = _interpret_mode()
+    kernel = _KERNELS.get(mode)
+    if kernel is not None:
+        return kernel
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _paged_decode_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+        scale,
+        q_ss, q_sh, q_sd,            # q strides: seq, head, dim
+        o_ss, o_sh, o_sd,            # out strides
+        kc_sb, kc_so, kc_sh, kc_sd,  # k_cache strides: block, offset, head, dim
+        vc_sb, vc_so, vc_sh, vc_sd,  # v_cache strides
+        bt_ss, bt_sb,                # block_tables strides
+        head_dim,
+        GROUP: tl.constexpr,         # query heads per kv head
+        BLOCK_G: tl.constexpr,       # next_pow2(GROUP)
+        BLOCK_SIZE: tl.constexpr,    # cache block size (power of two) = tokens per step
+        BLOCK_D: tl.constexpr,       # next_pow2(head_dim)
+        BF16_RTNE: tl.constexpr,     # interpreter only: round fp32 -> bf16 to nearest even
+    ):
+        # One program per (sequence, kv head): the GROUP query heads sharing that kv head
+        # walk the sequence's blocks once, with an online (flash-decoding) softmax in fp32.
+        seq = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1).to(tl.int64)
+        ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
+
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        offs = tl.arange(0, BLOCK_SIZE)
+        g_mask = g < GROUP
+        d_mask = d < head_dim
+        heads = kvh * GROUP + g
+        q_mask = g_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + seq * q_ss + heads[:, None] * q_sh + d[None, :] * q_sd,
+                    mask=q_mask, other=0.0).to(tl.float32)
+        q = q * scale
+
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+
+        num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
+        for i in range(0, num_blocks):
+            blk = tl.load(block_tables_ptr + seq * bt_ss + i * bt_sb).to(tl.int64)
+            t_mask = (i * BLOCK_SIZE + offs) < ctx
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + blk * kc_sb + offs[:, None] * kc_so + kvh * kc_sh
+                        + d[None, :] * kc_sd, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_cache_ptr + blk * vc_sb + offs[:, None] * vc_so + kvh * vc_sh
+                        + d[None, :] * vc_sd, mask=kv_mask, other=0.0).to(tl.float32)
+            # scores [BLOCK_G, BLOCK_SIZE]: broadcast-multiply-reduce (no tl.dot: fp32 and
+            # GROUP may be < 16).
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        if BF16_RTNE:
+            # The interpreter truncates on fp32 -> bf16 casts (GPUs round to nearest even):
+            # round the bits here so the cast below is exact.
+            bits = out.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            out = bits.to(tl.float32, bitcast=True)
+        tl.store(out_ptr + seq * o_ss + heads[:, None] * o_sh + d[None, :] * o_sd,
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+    _KERNELS[mode] = _paged_decode_kernel
+    return _paged_decode_kernel
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                  scale: float) -> torch.Tensor:
+    """Triton version of :func:`paged_decode_attention_ref` (same arguments and result).
+
+    Grid ``(num_seqs, num_kv_heads)``: each program serves the ``num_heads // num_kv_heads``
+    query heads of one kv head, loops over the sequence's cache blocks (``block_size``
+    tokens per step, which must be a power of two) and keeps an online softmax in fp32,
+    as vLLM's ``paged_attention_v1`` / flash-decoding do without the split over the
+    context. Any head_dim works (masked to the next power of two); inputs of any float
+    dtype are upcast to fp32 in the kernel. On CPU tensors it runs only under
+    ``TRITON_INTERPRET=1``.
+    """
+    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two for the Triton kernel, got {block_size}")
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    kernel = _get_kernel()
+    kernel[(num_seqs, num_kv_heads)](
+        out, q, k_cache, v_cache, block_tables, context_lens,
+        float(scale),
+        q.stride(0), q.stride(1), q.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        block_tables.stride(0), block_tables.stride(1),
+        head_dim,
+        GROUP=group, BLOCK_G=_next_pow2(group), BLOCK_SIZE=block_size,
+        BLOCK_D=_next_pow2(head_dim),
+        BF16_RTNE=_interpret_mode() and q.dtype == torch.bfloat16,
+    )
+    return out
+
+
+_TRITON_OK: bool | None = None
+
+
+def _triton_importable() -> bool:
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _TRITON_OK = True
+        except Exception:
+            _TRITON_OK = False
+    return _TRITON_OK
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Paged decode attention: Triton when all tensors are on CUDA and triton imports, else
+    :func:`paged_decode_attention_ref`. q ``[num_seqs, num_heads, head_dim]``, caches
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``, block_tables
+    ``[num_seqs, max_num_blocks]`` int32, context_lens ``[num_seqs]`` int32; returns
+    ``[num_seqs, num_heads, head_dim]`` in q's dtype (vLLM ``paged_attention_v1`` contract)."""
+    if (q.is_cuda and k_cache.is_cuda and v_cache.is_cuda and block_tables.is_cuda
+            and context_lens.is_cuda and _triton_importable()):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+

@@ -1,0 +1,1 @@
+"""Routing, pool registry and request state machine (epd.router)."""
