@@ -33,7 +33,8 @@ class EngineConfig:
             model's ``max_position_embeddings``.
         enable_prefix_caching: reuse KV of full blocks with equal hash chains.
         num_kv_blocks: KV cache size in blocks; None sizes it from
-            ``kv_cache_memory_gb``.
+            ``kv_cache_memory_gb``, capped at what ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens can use.
         kv_cache_memory_gb: memory for the KV cache (all layers, K and V), GiB.
         dtype: "auto" (fp32 on CPU, the checkpoint's dtype on CUDA), or a name.
         device: "cpu" or "cuda"; "auto" picks cuda when available.
@@ -122,4 +123,7 @@ class EngineConfig:
         """KV cache size in blocks: ``num_kv_blocks`` or what ``kv_cache_memory_gb`` holds."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        return max(1, int(self.kv_cache_memory_gb * 2**30) // self.kv_bytes_per_block())
+        by_memory = int(self.kv_cache_memory_gb * 2**30) // self.kv_bytes_per_block()
+        # More than max_num_seqs full-length sequences can never be resident at once.
+        useful = self.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(by_memory, useful))

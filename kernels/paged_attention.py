@@ -59,40 +59,69 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         sum are computed in fp32.
 
     Same contract as vLLM's ``paged_attention_v1`` (csrc/attention) and nano-vllm's decode
-    path (``flash_attn_with_kvcache`` with ``block_table``). All sequences are gathered at
-    once: ``k_cache[block_tables]`` -> ``[B, blocks*block_size, Hkv, D]``, padded to the
-    longest context, then a length-masked fp32 matmul + softmax per kv-head group.
+    path (``flash_attn_with_kvcache`` with ``block_table``). Sequences are gathered
+    together (``k_cache[block_tables]`` -> ``[B, blocks*block_size, Hkv, D]``, padded to the
+    longest context; in chunks of a few MiB for long contexts), upcast to fp32, and fed to
+    ``F.scaled_dot_product_attention`` with a length mask and ``enable_gqa``.
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
     device = k_cache.device
     if num_seqs == 0:
         return torch.empty_like(q)
 
     ctx = context_lens.to(device=device, dtype=torch.long)
     max_ctx = int(ctx.max())
+    # Gather in chunks of sequences: one huge gather is slower on CPU (fresh pages, no
+    # cache reuse) than a few small ones, and peak memory stays bounded.
+    seq_bytes = -(-max_ctx // block_size) * block_size * num_kv_heads * head_dim * 4
+    rows = max(1, _DECODE_CHUNK_BYTES // max(1, seq_bytes))
+    if rows >= num_seqs:
+        return _decode_chunk(q, k_cache, v_cache, block_tables, ctx, scale)
+    out = torch.empty_like(q)
+    for start in range(0, num_seqs, rows):
+        end = min(num_seqs, start + rows)
+        out[start:end] = _decode_chunk(q[start:end], k_cache, v_cache, block_tables[start:end],
+                                       ctx[start:end], scale)
+    return out
+
+
+_DECODE_CHUNK_BYTES = 4 << 20  # gathered fp32 K per chunk in the decode reference
+
+
+def _decode_chunk(q, k_cache, v_cache, block_tables, ctx, scale) -> torch.Tensor:
+    """Decode attention for a few sequences at once; ``ctx`` is int64 on the cache device."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    device = k_cache.device
+    max_ctx = int(ctx.max())
     num_blocks = max(1, -(-max_ctx // block_size))
     tables = block_tables[:, :num_blocks].to(device=device, dtype=torch.long)
     # Entries past each sequence's last block are garbage: point them at block 0.
-    needed = (torch.arange(tables.shape[1], device=device) * block_size)[None, :] < ctx[:, None]
+    needed = (torch.arange(num_blocks, device=device) * block_size)[None, :] < ctx[:, None]
     tables = torch.where(needed, tables, torch.zeros_like(tables))
-    max_tokens = tables.shape[1] * block_size
+    max_tokens = num_blocks * block_size
 
-    # [B, nblk, bs, Hkv, D] -> [B, T, Hkv, D] -> [B, Hkv, T, D], fp32
-    k = k_cache[tables].reshape(num_seqs, max_tokens, num_kv_heads, head_dim)
-    v = v_cache[tables].reshape(num_seqs, max_tokens, num_kv_heads, head_dim)
-    k = k.to(torch.float32).transpose(1, 2)
-    v = v.to(torch.float32).transpose(1, 2)
-    qg = q.to(device=device, dtype=torch.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
-
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * float(scale)  # [B, Hkv, G, T]
+    # [B, nblk, bs, Hkv, D] -> [B, T, Hkv, D] -> (view) [B, Hkv, T, D], fp32
     valid = torch.arange(max_tokens, device=device)[None, :] < ctx[:, None]  # [B, T]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)  # [B, Hkv, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim).to(device=q.device, dtype=q.dtype)
+    k = k_cache[tables].view(num_seqs, max_tokens, num_kv_heads, head_dim)
+    v = v_cache[tables].view(num_seqs, max_tokens, num_kv_heads, head_dim)
+    # Slots past the context may hold anything (stale data, NaN from torch.empty): zero
+    # them in the fresh gathered copies, since a masked score does not mask 0 * NaN.
+    invalid = ~valid[:, :, None, None]
+    k.masked_fill_(invalid, 0)
+    v.masked_fill_(invalid, 0)
+    k = k.transpose(1, 2).to(torch.float32)
+    v = v.transpose(1, 2).to(torch.float32)
+    qf = q.to(device=device, dtype=torch.float32).unsqueeze(2)  # [B, H, 1, D]
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=valid[:, None, None, :],
+                                         scale=float(scale),
+                                         enable_gqa=num_heads != num_kv_heads)
+    out = out.squeeze(2)
+    if bool((ctx <= 0).any()):  # empty context: zeros (as the Triton kernel), not NaN
+        out = torch.where((ctx > 0)[:, None, None], out, torch.zeros_like(out))
+    return out.to(device=q.device, dtype=q.dtype)
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,246 @@
+"""Offline throughput: epd's engine vs transformers ``model.generate`` (static batch).
+
+SmolLM2-135M-Instruct (the embedded default), fp32, on whatever device torch uses here
+(CPU by default). For each concurrency C, C requests of ``--prompt-len`` random prompt
+tokens and exactly ``--output-len`` greedy output tokens (ignore_eos / min_new_tokens):
+
+* epd: all C prompts passed to one ``LLM.generate`` call (continuous batching, default
+  engine settings); wall time of that call, after a short warm-up call.
+* transformers: one ``model.generate`` call on the [C, prompt_len] batch (every prompt
+  has the same length, so no padding; an all-ones attention_mask is passed), after one
+  warm-up call.
+
+Reported: output tokens/s (C * output_len / wall seconds) of each and epd/transformers.
+Every run uses prompts no earlier call has seen, so epd's prefix cache never hits.
+A sanity check compares the first 16 greedy tokens of both at concurrency 1.
+
+    python benchmarks/engine_throughput.py              # 1 / 8 / 32, 128 + 128 tokens
+    python benchmarks/engine_throughput.py --quick      # smoke run: 1 / 4, 32 + 32 tokens
+
+Writes benchmarks/results/engine_throughput.json and .png (``--out-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+NUM_SPECIAL_IDS = 17  # SmolLM2's ids 0..16 are special tokens: never drawn into prompts
+SANITY_TOKENS = 16
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="numbers of concurrent requests (default 1 8 32; --quick: 1 4)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request (default 128)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default 128)")
+    p.add_argument("--quick", action="store_true", help="smoke run: concurrency 1 4, 32 prompt + 32 output tokens")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch intra-op threads for both engines (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--skip-transformers", action="store_true", help="time epd only (e.g. for profiling)")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency = args.concurrency or [1, 4]
+        args.prompt_len = args.prompt_len or 32
+        args.output_len = args.output_len or 32
+    args.concurrency = args.concurrency or [1, 8, 32]
+    args.prompt_len = args.prompt_len or 128
+    args.output_len = args.output_len or 128
+    return args
+
+
+class PromptPool:
+    """Fresh random prompts on every call (one generator), so no two runs share a prefix."""
+
+    def __init__(self, vocab_size: int, prompt_len: int, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab_size, self.prompt_len = vocab_size, prompt_len
+
+    def take(self, n: int, length: int | None = None) -> list[list[int]]:
+        ids = torch.randint(NUM_SPECIAL_IDS, self.vocab_size, (n, length or self.prompt_len), generator=self.gen)
+        return ids.tolist()
+
+
+def run_epd(llm, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    from epd import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    bad = [len(t) for t in tokens if len(t) != output_len]
+    if bad:
+        raise RuntimeError(f"epd produced {bad[0]} tokens for a request, expected {output_len}")
+    return wall, tokens
+
+
+@torch.inference_mode()
+def run_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> tuple[float, list[list[int]]]:
+    input_ids = torch.tensor(prompts, dtype=torch.long)
+    attention_mask = torch.ones_like(input_ids)
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                         max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad_id,
+                         temperature=None, top_p=None, top_k=None)
+    wall = time.perf_counter() - t0
+    new = out[:, input_ids.shape[1]:]
+    if new.shape[1] != output_len:
+        raise RuntimeError(f"transformers produced {new.shape[1]} tokens, expected {output_len}")
+    return wall, new.tolist()
+
+
+def engine_settings(llm) -> dict:
+    cfg = llm.engine.config
+    keys = ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+            "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_gb", "dtype", "device", "seed")
+    s = {k: getattr(cfg, k) for k in keys}
+    s["torch_dtype"] = str(cfg.torch_dtype)
+    s["resolved_num_kv_blocks"] = llm.engine.runner.num_blocks
+    return s
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(r["concurrency"]) for r in results]
+    x = range(len(results))
+    w = 0.38
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(results), 4))
+    epd = [r["epd_tok_s"] for r in results]
+    bars = ax.bar([i - w / 2 for i in x], epd, w, label="epd")
+    if all(r.get("hf_tok_s") for r in results):
+        hf = [r["hf_tok_s"] for r in results]
+        ax.bar([i + w / 2 for i in x], hf, w, label="transformers generate")
+        for b, r in zip(bars, results):
+            ax.annotate(f"{r['ratio']:.2f}x", (b.get_x() + w, max(r["epd_tok_s"], r["hf_tok_s"])),
+                        ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(list(x), labels)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.15)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from epd import LLM
+    from epd.model_files import resolve_model
+
+    model_dir = resolve_model(None)
+    t0 = time.perf_counter()
+    llm = LLM(model=None)  # default engine settings
+    epd_load_s = time.perf_counter() - t0
+    torch.set_num_threads(args.threads)  # in case construction changed it
+    settings = engine_settings(llm)
+    vocab = llm.engine.vocab_size
+    pool = PromptPool(vocab, args.prompt_len, args.seed)
+
+    hf_model = None
+    pad_id = 0
+    if not args.skip_transformers:
+        hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        tok = llm.get_tokenizer()
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
+          f"device {settings['device']}, dtype {settings['torch_dtype']}; prompt {args.prompt_len} + output "
+          f"{args.output_len} tokens; epd engine: {settings}", flush=True)
+
+    results: list[dict] = []
+    sanity: dict | None = None
+    for c in args.concurrency:
+        # epd: warm-up on other prompts (a few tokens), then the timed call.
+        run_epd(llm, pool.take(c), min(4, args.output_len))
+        prompts = pool.take(c)
+        epd_s, epd_tokens = run_epd(llm, prompts, args.output_len)
+        n_out = c * args.output_len
+        row = {"concurrency": c, "output_tokens": n_out, "epd_s": epd_s, "epd_tok_s": n_out / epd_s}
+        if hf_model is not None:
+            run_hf(hf_model, pool.take(c), min(8, args.output_len), pad_id)  # warm-up
+            hf_s, hf_tokens = run_hf(hf_model, prompts, args.output_len, pad_id)
+            row.update(hf_s=hf_s, hf_tok_s=n_out / hf_s, ratio=(n_out / epd_s) / (n_out / hf_s))
+            if c == 1 and sanity is None:
+                k = min(SANITY_TOKENS, args.output_len)
+                sanity = {"tokens": k, "agree": epd_tokens[0][:k] == hf_tokens[0][:k],
+                          "epd": epd_tokens[0][:k], "transformers": hf_tokens[0][:k]}
+                print(f"sanity (concurrency 1): first {k} greedy tokens "
+                      f"{'AGREE' if sanity['agree'] else 'DIFFER'}\n  epd          {sanity['epd']}\n"
+                      f"  transformers {sanity['transformers']}", flush=True)
+            print(f"C={c:3d}  epd {epd_s:7.2f} s {row['epd_tok_s']:8.1f} tok/s   transformers {hf_s:7.2f} s "
+                  f"{row['hf_tok_s']:8.1f} tok/s   epd/hf {row['ratio']:.2f}x", flush=True)
+        else:
+            print(f"C={c:3d}  epd {epd_s:7.2f} s {row['epd_tok_s']:8.1f} tok/s", flush=True)
+        results.append(row)
+
+    print()
+    print(f"{'concurrency':>11} | {'epd tok/s':>9} | {'transformers tok/s':>18} | {'epd/transformers':>16}")
+    print(f"{'-' * 11}-+-{'-' * 9}-+-{'-' * 18}-+-{'-' * 16}")
+    for r in results:
+        hf = f"{r['hf_tok_s']:18.1f}" if "hf_tok_s" in r else f"{'-':>18}"
+        ratio = f"{r['ratio']:15.2f}x" if "ratio" in r else f"{'-':>16}"
+        print(f"{r['concurrency']:>11} | {r['epd_tok_s']:9.1f} | {hf} | {ratio}")
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": "engine_throughput",
+        "model": "SmolLM2-135M-Instruct (embedded default, fp32)",
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "greedy": True,
+        "seed": args.seed,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "machine": {"platform": platform.platform(), "processor": _cpu_name(), "python": sys.version.split()[0]},
+        "epd_engine_settings": settings,
+        "epd_load_s": epd_load_s,
+        "sanity_first_tokens": sanity,
+        "results": results,
+    }
+    stem = "engine_throughput_quick" if args.quick else "engine_throughput"
+    json_path = args.out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    png_path = args.out_dir / f"{stem}.png"
+    plot(results, png_path, f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, "
+                            f"{args.prompt_len} prompt + {args.output_len} output tokens / request")
+    print(f"\nwrote {json_path} and {png_path}")
+    llm.shutdown()
+    return 0 if sanity is None or sanity["agree"] else 1
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Session fixtures: tiny random checkpoints built in the test run, the real default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_KINDS = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """kind -> directory of a seeded tiny random checkpoint (+ tokenizer)."""
+    from epd.tiny import create_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: str(create_tiny_model(kind, root / kind, seed=0)) for kind in TINY_KINDS}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """The embedded SmolLM2-135M-Instruct, converted to safetensors once per cache."""
+    from epd.model_files import resolve_model
+
+    return str(resolve_model(None))
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: transformers ``generate`` (greedy, fp32), one prompt at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                               do_sample=False)
+            outs.append(o[0, len(p):].tolist())
+    return outs

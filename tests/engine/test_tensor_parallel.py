@@ -1,0 +1,34 @@
+"""TP=2 over two gloo processes gives the same greedy tokens as TP=1."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from epd import LLM, SamplingParams
+from epd.config import ConfigError
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tp2_matches_tp1(kind, tiny_model_dirs):
+    model_dir = tiny_model_dirs[kind]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (1, 9, 33, 70, 120)]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    tp1 = LLM(model_dir, block_size=8, max_num_batched_tokens=32)
+    expected = [o.outputs[0].token_ids for o in tp1.generate(prompts, params)]
+    tp1.shutdown()
+    tp2 = LLM(model_dir, block_size=8, max_num_batched_tokens=32, tensor_parallel_size=2)
+    try:
+        got = [o.outputs[0].token_ids for o in tp2.generate(prompts, params)]
+    finally:
+        tp2.shutdown()
+    assert got == expected
+    assert all(not p.is_alive() for p in tp2.engine._procs)
+
+
+def test_tp_must_divide_kv_heads(tiny_model_dirs):
+    with pytest.raises(ConfigError, match="must divide"):
+        LLM(tiny_model_dirs["llama"], tensor_parallel_size=3)
