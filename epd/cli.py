@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
     ct = msub.add_parser("create-tiny", help="write a tiny random checkpoint for tests and benchmarks")
-    ct.add_argument("kind", choices=["llama", "qwen2", "qwen3"])
+    ct.add_argument("kind", choices=["llama", "qwen2", "qwen3", "llava", "llava-siglip", "qwen2-audio"])
     ct.add_argument("dir")
     ct.add_argument("--seed", type=int, default=0)
     ct.set_defaults(func=cmd_create_tiny)

@@ -64,13 +64,13 @@ class EngineConfig:
             raise ConfigError(f"model directory {self.model!r} does not exist")
         if self.hf_config is None:
             self.hf_config = AutoConfig.from_pretrained(self.model)
-        cfg = self.hf_config
+        cfg = self.text_config
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
         if self.dtype == "auto":
-            ckpt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+            ckpt = getattr(self.hf_config, "dtype", None) or getattr(cfg, "dtype", None)
             self.torch_dtype = torch.float32 if self.device == "cpu" else (
                 ckpt if isinstance(ckpt, torch.dtype) else _DTYPES.get(str(ckpt), torch.bfloat16))
         elif self.dtype in _DTYPES:
@@ -103,18 +103,23 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 
     @property
+    def text_config(self) -> PretrainedConfig:
+        """The LM's config (the ``text_config`` of a multimodal checkpoint)."""
+        return self.hf_config.get_text_config()
+
+    @property
     def num_kv_heads(self) -> int:
-        cfg = self.hf_config
+        cfg = self.text_config
         return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
+        cfg = self.text_config
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V for one block over all layers on one TP rank."""
-        cfg = self.hf_config
+        cfg = self.text_config
         elem = torch.tensor([], dtype=self.torch_dtype).element_size()
         per_token = 2 * cfg.num_hidden_layers * (self.num_kv_heads // self.tensor_parallel_size) * self.head_dim
         return per_token * self.block_size * elem

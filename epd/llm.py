@@ -43,9 +43,72 @@ class LLM:
                               dtype=dtype, device=device, seed=seed)
         self.engine = LLMEngine(config, self.tokenizer)
         self._ids = itertools.count()
+        self.model_dir = str(path)
+        self._mm_processor = None
+        self._encoder = None
+
+    @property
+    def mm_processor(self):
+        """Media preprocessing and placeholder expansion for this model (lazy)."""
+        if self._mm_processor is None:
+            from epd.encoders.processor import MultiModalProcessor
+
+            self._mm_processor = MultiModalProcessor(self.model_dir, self.engine.config.hf_config)
+        return self._mm_processor
+
+    @property
+    def encoder(self):
+        """The towers (or speech front end) with their encoder cache (lazy)."""
+        if self._encoder is None:
+            from epd.encoders.encoder_runner import EncoderRunner
+
+            cfg = self.engine.config
+            self._encoder = EncoderRunner(self.model_dir, cfg.hf_config, dtype=cfg.torch_dtype, device=cfg.device)
+        return self._encoder
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def _prepare(self, prompt: PromptType) -> tuple[str | None, list[int], dict]:
+        """(text, token ids, engine kwargs for media) of one prompt.
+
+        Raises InvalidRequestError / epd.encoders.media.MediaError for bad input.
+        """
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        proc = self.mm_processor
+        if not mm_data and not proc.placeholder_ids:
+            return (*self._to_token_ids(prompt), {})
+        if not isinstance(prompt, dict):
+            prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
+        mm_data = dict(mm_data or {})
+        if mm_data.get("audio") and proc.modalities.get("audio") == "transcribe":
+            # A text-only LM hears audio through the speech front end: each
+            # AUDIO_PLACEHOLDER in the prompt text becomes that clip's transcript.
+            from epd.encoders.processor import AUDIO_PLACEHOLDER
+
+            text = prompt.get("prompt")
+            if not isinstance(text, str):
+                raise InvalidRequestError("audio for a text-only model needs a text prompt with "
+                                          f"{AUDIO_PLACEHOLDER!r} where each clip goes", "prompt")
+            audios = mm_data["audio"] if isinstance(mm_data["audio"], list) else [mm_data["audio"]]
+            if text.count(AUDIO_PLACEHOLDER) != len(audios):
+                raise InvalidRequestError(
+                    f"the prompt has {text.count(AUDIO_PLACEHOLDER)} {AUDIO_PLACEHOLDER!r} placeholder(s) "
+                    f"but {len(audios)} audio item(s) were given: put exactly one per item", "prompt")
+            transcripts = self.encoder.transcribe([proc.audio_item(a) for a in audios])
+            parts = text.split(AUDIO_PLACEHOLDER)
+            text = parts[0] + "".join(t + rest for t, rest in zip(transcripts, parts[1:]))
+            mm_data = {k: v for k, v in mm_data.items() if k != "audio"}
+            prompt = {"prompt": text, "multi_modal_data": mm_data}
+            if not mm_data:
+                return (*self._to_token_ids(text), {})
+        text, ids = self._to_token_ids({k: v for k, v in prompt.items() if k != "multi_modal_data"})
+        processed = proc.process(ids, mm_data)
+        if not processed.items:
+            return text, processed.prompt_token_ids, {}
+        embeddings = self.encoder.encode(processed.items)
+        return text, processed.prompt_token_ids, {"mm_placeholders": processed.placeholders,
+                                                   "mm_embeddings": embeddings}
 
     def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -64,9 +127,14 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        A single token-id list counts as one prompt. Every prompt is validated
-        before any runs, so an invalid one raises ``InvalidRequestError`` and
-        nothing is queued.
+        A prompt is a string, a token-id list, or a dict with ``prompt`` (or
+        ``prompt_token_ids``) and optional ``multi_modal_data``:
+        ``{"image": [PIL.Image | bytes, ...], "audio": [(samples, rate) | bytes, ...]}``;
+        the prompt then carries the model's placeholder token (e.g. ``<image>``)
+        once per item, in order. A single token-id list counts as one prompt.
+        Every prompt is validated (and its media encoded) before any runs, so an
+        invalid one raises ``InvalidRequestError`` or ``MediaError`` and nothing
+        is queued.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and all(isinstance(t, int) for t in prompts)):
@@ -75,14 +143,14 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        encoded = [self._to_token_ids(p) for p in prompts]
-        for (_, ids), sp in zip(encoded, params_list):
+        encoded = [self._prepare(p) for p in prompts]
+        for (_, ids, _), sp in zip(encoded, params_list):
             self.engine.validate(ids, sp)
         order: dict[str, int] = {}
-        for i, ((text, ids), sp) in enumerate(zip(encoded, params_list)):
+        for i, ((text, ids, mm), sp) in enumerate(zip(encoded, params_list)):
             rid = f"gen-{next(self._ids)}"
             order[rid] = i
-            self.engine.add_request(rid, ids, sp, prompt=text)
+            self.engine.add_request(rid, ids, sp, prompt=text, **mm)
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
             while any(r is None for r in results):

@@ -48,7 +48,8 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, eos_token_ids: frozenset[int] = frozenset(),
-                 mm_placeholders: list[MultiModalPlaceholder] | None = None) -> None:
+                 mm_placeholders: list[MultiModalPlaceholder] | None = None,
+                 mm_embeddings: list[torch.Tensor] | None = None) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -56,6 +57,12 @@ class Sequence:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.mm_placeholders = list(mm_placeholders or [])
+        # One [length, hidden] tensor per placeholder, kept until the sequence
+        # finishes (a preempted sequence needs them again for recompute).
+        self.mm_embeddings = list(mm_embeddings or [])
+        if len(self.mm_embeddings) != len(self.mm_placeholders) or any(
+                e.shape[0] != p.length for e, p in zip(self.mm_embeddings, self.mm_placeholders)):
+            raise ValueError("mm_embeddings must give one [length, hidden] tensor per placeholder")
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first schedule; -1 = not yet

@@ -36,6 +36,9 @@ TINY_CHAT_TEMPLATE = (
 )
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Media placeholders (LLaVA's and Qwen2-Audio's own spellings); in every tiny vocab.
+IMAGE_TOKEN = "<image>"
+AUDIO_TOKEN = "<|AUDIO|>"
 TOKENIZER_VOCAB_SIZE = 512
 
 _CORPUS = (
@@ -95,7 +98,7 @@ def _tokenizer_json() -> str:
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS) + [IMAGE_TOKEN, AUDIO_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -182,11 +185,61 @@ def _qwen3_config(tokenizer):
     )
 
 
+def _llava_config(tokenizer, vision: str = "clip"):
+    from transformers import CLIPVisionConfig, LlavaConfig, SiglipVisionConfig
+
+    if vision == "clip":
+        # 28 px / 7 px patches = 16 patches + CLS; "default" drops CLS -> 16 rows per image.
+        vcfg = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=28, patch_size=7, projection_dim=32)
+        text, layer, strategy = _llama_config(tokenizer), -2, "default"
+    else:
+        # SigLIP has no CLS: 32 px / 8 px = 16 rows per image with "full".
+        vcfg = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=32, patch_size=8)
+        text, layer, strategy = _qwen2_config(tokenizer), -1, "full"
+    return LlavaConfig(vision_config=vcfg, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                       vision_feature_layer=layer, vision_feature_select_strategy=strategy,
+                       projector_hidden_act="gelu", image_seq_length=16, tie_word_embeddings=text.tie_word_embeddings)
+
+
+def _qwen2_audio_config(tokenizer):
+    from transformers import Qwen2AudioConfig
+    from transformers.models.qwen2_audio import Qwen2AudioEncoderConfig
+
+    acfg = Qwen2AudioEncoderConfig(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+                                   num_mel_bins=80, max_source_positions=1500)
+    return Qwen2AudioConfig(audio_config=acfg, text_config=_qwen2_config(tokenizer),
+                            audio_token_id=tokenizer.convert_tokens_to_ids(AUDIO_TOKEN))
+
+
+def _save_processor(kind: str, config, out: pathlib.Path) -> None:
+    if kind == "llava":
+        from transformers import CLIPImageProcessor
+
+        size = config.vision_config.image_size
+        CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(out)
+    elif kind == "llava-siglip":
+        from transformers import SiglipImageProcessor
+
+        size = config.vision_config.image_size
+        SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(out)
+    elif kind == "qwen2-audio":
+        from transformers import WhisperFeatureExtractor
+
+        WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, chunk_length=30).save_pretrained(out)
+
+
 _CONFIGS: dict[str, Callable] = {
     "llama": _llama_config,
     "qwen2": _qwen2_config,
     "qwen3": _qwen3_config,
+    "llava": _llava_config,
+    "llava-siglip": functools.partial(_llava_config, vision="siglip"),
+    "qwen2-audio": _qwen2_audio_config,
 }
+_MULTIMODAL_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava-siglip": "LlavaForConditionalGeneration",
+                       "qwen2-audio": "Qwen2AudioForConditionalGeneration"}
 TINY_KINDS = tuple(_CONFIGS)
 
 
@@ -199,9 +252,14 @@ def _reinit_(model, seed: int) -> None:
         for name, p in model.named_parameters():  # tied weights appear once
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             module = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-            if "norm" in module:
-                p.copy_(1.0 + 0.1 * noise)  # RMSNorm gains (incl. qwen3 q_norm/k_norm)
-            elif name.endswith(".bias"):
+            if name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            elif "norm" in module:
+                p.copy_(1.0 + 0.1 * noise)  # norm gains (incl. qwen3 q_norm/k_norm)
+            elif "tower" in name or "projector" in name:
+                # Encoder towers get a milder scale: their features feed the LM, which
+                # the 0.5 scale already makes decisive.
+                p.copy_(0.1 * noise)
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(0.5 * noise)
@@ -209,7 +267,8 @@ def _reinit_(model, seed: int) -> None:
 
 def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     """Write a tiny random ``kind`` checkpoint (``"llama"``, ``"qwen2"`` or ``"qwen3"``)
-    with its tokenizer to ``out_dir`` and return it as a Path."""
+    with its tokenizer (and image processor / feature extractor for the multimodal kinds
+    ``"llava"``, ``"llava-siglip"``, ``"qwen2-audio"``) to ``out_dir``; returns it as a Path."""
     if kind not in _CONFIGS:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(TINY_KINDS)}")
     import torch
@@ -221,7 +280,12 @@ def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> p
     config = _CONFIGS[kind](tokenizer)
     config.dtype = torch.float32
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind in _MULTIMODAL_CLASSES:
+        import transformers
+
+        model = getattr(transformers, _MULTIMODAL_CLASSES[kind])(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _reinit_(model, seed)
     model.eval()
     model.generation_config = GenerationConfig(
@@ -231,4 +295,5 @@ def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> p
     )
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+    _save_processor(kind, config, out)
     return out

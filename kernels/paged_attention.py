@@ -87,7 +87,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-_DECODE_CHUNK_BYTES = 4 << 20  # gathered fp32 K per chunk in the decode reference
+_DECODE_CHUNK_BYTES = 16 << 20  # gathered fp32 K per chunk in the decode reference
 
 
 def _decode_chunk(q, k_cache, v_cache, block_tables, ctx, scale) -> torch.Tensor:
@@ -109,9 +109,10 @@ def _decode_chunk(q, k_cache, v_cache, block_tables, ctx, scale) -> torch.Tensor
     v = v_cache[tables].view(num_seqs, max_tokens, num_kv_heads, head_dim)
     # Slots past the context may hold anything (stale data, NaN from torch.empty): zero
     # them in the fresh gathered copies, since a masked score does not mask 0 * NaN.
-    invalid = ~valid[:, :, None, None]
-    k.masked_fill_(invalid, 0)
-    v.masked_fill_(invalid, 0)
+    for i, n in enumerate(ctx.tolist()):
+        if n < max_tokens:
+            k[i, max(n, 0):].zero_()
+            v[i, max(n, 0):].zero_()
     k = k.transpose(1, 2).to(torch.float32)
     v = v.transpose(1, 2).to(torch.float32)
     qf = q.to(device=device, dtype=torch.float32).unsqueeze(2)  # [B, H, 1, D]
@@ -194,15 +195,27 @@ def _interpret_mode() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Bound by _get_kernel(): jitted code must see triton.language as a module global (the
+# interpreter resolves names through the kernel's globals, not its closure).
+triton = None
+tl = None
+_SUM = None  # combine functions for tl.reduce
+_MAX = None
 _KERNELS: dict[bool, object] = {}
 
 
 def _get_kernel():
     """Build (once per interpret mode) and return the jitted decode kernel.
 
-    Defined lazily because triton picks compiled vs interpreted at ``@triton.jit`` time;
-    importing this module never imports triton.
+    Triton picks compiled vs interpreted when ``@triton.jit`` runs, so the kernel is
+    defined lazily (importing this module never imports triton). The kernel avoids
+    triton's own ``@jit`` helpers (``tl.sum``, ``tl.max``, ``tl.cdiv``, ``tl.zeros``): they
+    are jitted once, when triton is imported, and the interpreter cannot call compiled-mode
+    ones -- which is what they are if anything imported triton before
+    ``TRITON_INTERPRET=1`` was set. Reductions go through the builtin ``tl.reduce`` with
+    triton's standard combine functions instead (the interpreter maps those to numpy).
     """
+    global triton, tl, _SUM, _MAX
     mode = _interpret_mode()
     kernel = _KERNELS.get(mode)
     if kernel is not None:
@@ -210,6 +223,21 @@ def _get_kernel():
 
     import triton
     import triton.language as tl
+
+    if _SUM is None:
+        _SUM = getattr(tl.standard, "_sum_combine", None)
+        _MAX = getattr(tl.standard, "_elementwise_max", None)
+    if _SUM is None or _MAX is None:  # not expected (present since triton 2.x)
+
+        @triton.jit
+        def _sum_combine(a, b):
+            return a + b
+
+        @triton.jit
+        def _max_combine(a, b):
+            return tl.maximum(a, b)
+
+        _SUM, _MAX = _sum_combine, _max_combine
 
     @triton.jit
     def _paged_decode_kernel(
@@ -223,7 +251,8 @@ def _get_kernel():
         head_dim,
         GROUP: tl.constexpr,         # query heads per kv head
         BLOCK_G: tl.constexpr,       # next_pow2(GROUP)
-        BLOCK_SIZE: tl.constexpr,    # cache block size (power of two) = tokens per step
+        BLOCK_SIZE: tl.constexpr,    # cache block size
+        TOKENS: tl.constexpr,        # tokens per step: a power of two dividing BLOCK_SIZE
         BLOCK_D: tl.constexpr,       # next_pow2(head_dim)
         BF16_RTNE: tl.constexpr,     # interpreter only: round fp32 -> bf16 to nearest even
     ):
@@ -235,7 +264,7 @@ def _get_kernel():
 
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
-        offs = tl.arange(0, BLOCK_SIZE)
+        offs = tl.arange(0, TOKENS)
         g_mask = g < GROUP
         d_mask = d < head_dim
         heads = kvh * GROUP + g
@@ -245,27 +274,29 @@ def _get_kernel():
         q = q * scale
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+        acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
 
-        num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
-        for i in range(0, num_blocks):
-            blk = tl.load(block_tables_ptr + seq * bt_ss + i * bt_sb).to(tl.int64)
-            t_mask = (i * BLOCK_SIZE + offs) < ctx
+        num_steps = (ctx + TOKENS - 1) // TOKENS
+        for i in range(0, num_steps):
+            start = i * TOKENS  # TOKENS divides BLOCK_SIZE: a step never straddles blocks
+            blk = tl.load(block_tables_ptr + seq * bt_ss + (start // BLOCK_SIZE) * bt_sb).to(tl.int64)
+            slot = start % BLOCK_SIZE + offs
+            t_mask = (start + offs) < ctx
             kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + blk * kc_sb + offs[:, None] * kc_so + kvh * kc_sh
+            k = tl.load(k_cache_ptr + blk * kc_sb + slot[:, None] * kc_so + kvh * kc_sh
                         + d[None, :] * kc_sd, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_cache_ptr + blk * vc_sb + offs[:, None] * vc_so + kvh * vc_sh
+            v = tl.load(v_cache_ptr + blk * vc_sb + slot[:, None] * vc_so + kvh * vc_sh
                         + d[None, :] * vc_sd, mask=kv_mask, other=0.0).to(tl.float32)
-            # scores [BLOCK_G, BLOCK_SIZE]: broadcast-multiply-reduce (no tl.dot: fp32 and
-            # GROUP may be < 16).
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            # scores [BLOCK_G, TOKENS] by broadcast-multiply-reduce (no tl.dot: it needs
+            # every dim >= 16, and GROUP / block_size may be smaller).
+            s = tl.reduce(q[:, None, :] * k[None, :, :], 2, _SUM)
             s = tl.where(t_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+            acc = acc * alpha[:, None] + tl.reduce(p[:, :, None] * v[None, :, :], 1, _SUM)
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -283,6 +314,9 @@ def _get_kernel():
     return _paged_decode_kernel
 
 
+_MAX_TILE = 4096  # fp32 elements of one [BLOCK_G, TOKENS, BLOCK_D] product in the kernel
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -293,19 +327,24 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """Triton version of :func:`paged_decode_attention_ref` (same arguments and result).
 
     Grid ``(num_seqs, num_kv_heads)``: each program serves the ``num_heads // num_kv_heads``
-    query heads of one kv head, loops over the sequence's cache blocks (``block_size``
-    tokens per step, which must be a power of two) and keeps an online softmax in fp32,
-    as vLLM's ``paged_attention_v1`` / flash-decoding do without the split over the
-    context. Any head_dim works (masked to the next power of two); inputs of any float
-    dtype are upcast to fp32 in the kernel. On CPU tensors it runs only under
-    ``TRITON_INTERPRET=1``.
+    query heads of one kv head, walks the sequence's cache blocks (a whole power-of-two
+    block per step, or a power-of-two part of it for wide head groups / odd block sizes)
+    and keeps an online softmax in fp32, as vLLM's ``paged_attention_v1`` /
+    flash-decoding do without the split over the context. Any head_dim and block_size
+    work (masked to the next power of two); inputs of any float dtype are upcast to fp32
+    in the kernel; any strides. On CPU tensors it runs only under ``TRITON_INTERPRET=1``.
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two for the Triton kernel, got {block_size}")
     group = num_heads // num_kv_heads
+    block_g, block_d = _next_pow2(group), _next_pow2(head_dim)
+    # Tokens per step: the largest power of two dividing block_size (all of it for the
+    # usual power-of-two sizes), shrunk so the [BLOCK_G, TOKENS, BLOCK_D] fp32 products stay
+    # within _MAX_TILE elements (no register spills with 4 warps; checked with ptxas for sm_90).
+    tokens = block_size & -block_size
+    while tokens > 1 and block_g * tokens * block_d > _MAX_TILE:
+        tokens //= 2
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
@@ -319,8 +358,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), block_tables.stride(1),
         head_dim,
-        GROUP=group, BLOCK_G=_next_pow2(group), BLOCK_SIZE=block_size,
-        BLOCK_D=_next_pow2(head_dim),
+        GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d,
         BF16_RTNE=_interpret_mode() and q.dtype == torch.bfloat16,
     )
     return out

@@ -74,6 +74,10 @@ def _interpret_mode() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Bound by _get_kernel(): jitted code must see triton.language as a module global (the
+# interpreter resolves names through the kernel's globals, not its closure).
+triton = None
+tl = None
 _KERNELS: dict[bool, object] = {}
 
 
@@ -83,8 +87,11 @@ def _get_kernel():
     Triton decides between compiled and interpreted functions when ``@triton.jit`` runs,
     so the kernel is defined here, lazily, instead of at import time: importing this
     module never imports triton, and setting ``TRITON_INTERPRET=1`` any time before the
-    first launch takes effect.
+    first launch takes effect. The kernel uses builtins only (no triton ``@jit`` helpers
+    such as ``tl.zeros``), so it also runs in the interpreter when triton itself was
+    imported before ``TRITON_INTERPRET=1`` was set.
     """
+    global triton, tl
     mode = _interpret_mode()
     kernel = _KERNELS.get(mode)
     if kernel is not None:
@@ -163,7 +170,7 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
         k_cache.shape[1], num_heads, head_dim,
         BLOCK_H=_next_pow2(num_heads), BLOCK_D=_next_pow2(head_dim),
         BF16_RTNE=(_interpret_mode() and k_cache.dtype == torch.bfloat16
-                   and key.dtype != torch.bfloat16),
+                   and (key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16)),
     )
 
 

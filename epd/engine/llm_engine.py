@@ -83,7 +83,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = eos_token_ids(config.model, tokenizer)
-        self.vocab_size = config.hf_config.vocab_size
+        self.vocab_size = config.text_config.vocab_size
         self.requests: dict[str, _Request] = {}
         self._by_seq_id: dict[int, _Request] = {}
         self._closed = False
@@ -92,8 +92,13 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None,
-                    mm_placeholders: list[MultiModalPlaceholder] | None = None) -> None:
+                    mm_placeholders: list[MultiModalPlaceholder] | None = None,
+                    mm_embeddings: list[torch.Tensor] | None = None) -> None:
         """Queue a request.
+
+        ``mm_placeholders`` / ``mm_embeddings``: media spans in the prompt and
+        their embeddings ([length, hidden] each), merged into the input
+        embeddings at prefill.
 
         Raises:
             InvalidRequestError: empty prompt, prompt of ``max_model_len`` tokens
@@ -103,7 +108,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                       mm_placeholders=mm_placeholders)
+                       mm_placeholders=mm_placeholders, mm_embeddings=mm_embeddings)
         detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), stop=list(params.stop),
                                        include_stop_str_in_output=params.include_stop_str_in_output,
                                        skip_special_tokens=params.skip_special_tokens)
@@ -144,8 +149,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        step = build_step_input(sched, self.config.block_size)
-        logits = self.runner.execute(step)
+        step, mm_embeds = build_step_input(sched, self.config.block_size)
+        logits = self.runner.execute(step, mm_embeds)
         sampled: dict[int, int] = {}
         if step.seq_ids:
             seqs = [self._by_seq_id[i].seq for i in step.seq_ids]

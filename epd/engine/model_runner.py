@@ -45,6 +45,9 @@ class StepInput(msgspec.Struct, tag="step"):
     prefills: list[tuple[int, int, int, list[int]]]
     logits_indices: list[int]
     seq_ids: list[int]
+    # (first step row, rows) spans whose input embeddings come from media
+    # embeddings; their rows, concatenated in order, travel beside the message.
+    mm_rows: list[tuple[int, int]] = []
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -55,8 +58,12 @@ _CODEC_ENCODER = msgspec.msgpack.Encoder()
 _CODEC_DECODER = msgspec.msgpack.Decoder(StepInput | Shutdown)
 
 
-def build_step_input(out: SchedulerOutput, block_size: int) -> StepInput:
-    """Flatten a scheduler output: decode tokens first, then prefill chunks."""
+def build_step_input(out: SchedulerOutput, block_size: int) -> tuple[StepInput, torch.Tensor | None]:
+    """Flatten a scheduler output: decode tokens first, then prefill chunks.
+
+    Returns the step and the media embedding rows it needs ([rows, hidden], or
+    None for a text-only step), in ``mm_rows`` order.
+    """
     # A one-token chunk attends exactly like a decode token.
     decodes = [s for s in out.scheduled if s.num_tokens == 1]
     prefills = [s for s in out.scheduled if s.num_tokens != 1]
@@ -67,6 +74,8 @@ def build_step_input(out: SchedulerOutput, block_size: int) -> StepInput:
     seq_ids: list[int] = []
     max_blocks = max((len(s.seq.block_table) for s in decodes), default=0)
     tables, ctx_lens, chunks = [], [], []
+    mm_rows: list[tuple[int, int]] = []
+    mm_parts: list[torch.Tensor] = []
     for k, s in enumerate(decodes + prefills):
         seq, start, n = s.seq, s.start, s.num_tokens
         q_start = len(input_ids)
@@ -79,11 +88,17 @@ def build_step_input(out: SchedulerOutput, block_size: int) -> StepInput:
             ctx_lens.append(start + 1)
         else:
             chunks.append((q_start, n, start + n, list(bt[: -(-(start + n) // block_size)])))
+        for ph, emb in zip(seq.mm_placeholders, seq.mm_embeddings):
+            lo, hi = max(start, ph.offset), min(start + n, ph.offset + ph.length)
+            if lo < hi:
+                mm_rows.append((q_start + lo - start, hi - lo))
+                mm_parts.append(emb[lo - ph.offset:hi - ph.offset])
         if s.sample:
             logits_indices.append(len(input_ids) - 1)
             seq_ids.append(seq.seq_id)
-    return StepInput(input_ids, positions, slots, len(decodes), tables, ctx_lens, chunks,
-                     logits_indices, seq_ids)
+    step = StepInput(input_ids, positions, slots, len(decodes), tables, ctx_lens, chunks,
+                     logits_indices, seq_ids, mm_rows)
+    return step, (torch.cat(mm_parts) if mm_parts else None)
 
 
 class ModelRunner:
@@ -103,8 +118,8 @@ class ModelRunner:
                                     world_size=tp, rank=rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        hf = config.hf_config
-        cls = get_model_class(hf)
+        cls = get_model_class(config.hf_config)
+        hf = config.text_config
         prev = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
         try:
@@ -122,12 +137,14 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
 
     # ---- rank 0 -------------------------------------------------------
-    def execute(self, step: StepInput) -> torch.Tensor | None:
+    def execute(self, step: StepInput, mm_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run a step on every rank; returns logits [len(logits_indices), vocab]
-        (fp32) on rank 0."""
+        (fp32) on rank 0. ``mm_embeds``: [sum of mm_rows lengths, hidden]."""
         if self.config.tensor_parallel_size > 1:
             _broadcast_message(step)
-        return self._run(step)
+            if step.mm_rows:
+                dist.broadcast(mm_embeds.to(self.config.torch_dtype).contiguous(), src=0)
+        return self._run(step, mm_embeds)
 
     def shutdown(self) -> None:
         if self.config.tensor_parallel_size > 1 and dist.is_initialized():
@@ -136,9 +153,17 @@ class ModelRunner:
 
     # ---- every rank ---------------------------------------------------
     @torch.inference_mode()
-    def _run(self, step: StepInput) -> torch.Tensor | None:
+    def _run(self, step: StepInput, mm_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         dev = self.device
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
+        inputs_embeds = None
+        if step.mm_rows:
+            inputs_embeds = self.model.embed_input_ids(input_ids)
+            mm_embeds = mm_embeds.to(dev, inputs_embeds.dtype)
+            src = 0
+            for dst, n in step.mm_rows:
+                inputs_embeds[dst:dst + n] = mm_embeds[src:src + n]
+                src += n
         positions = torch.tensor(step.positions, dtype=torch.long, device=dev)
         md = AttentionMetadata(
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
@@ -151,7 +176,7 @@ class ModelRunner:
                       for q0, n, ctx, bt in step.prefills],
         )
         with set_attention_metadata(md):
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(input_ids, positions, inputs_embeds)
         if not step.logits_indices:
             return None
         hidden = hidden[torch.tensor(step.logits_indices, dtype=torch.long, device=dev)]
@@ -198,6 +223,11 @@ def tp_worker_main(config_json: str, rank: int, dist_port: int, threads: int | N
         msg = _receive_message()
         if isinstance(msg, Shutdown):
             break
-        runner._run(msg)
+        mm_embeds = None
+        if msg.mm_rows:
+            rows = sum(n for _, n in msg.mm_rows)
+            mm_embeds = torch.empty(rows, config.text_config.hidden_size, dtype=config.torch_dtype)
+            dist.broadcast(mm_embeds, src=0)
+        runner._run(msg, mm_embeds)
     dist.destroy_process_group()
     os._exit(0)

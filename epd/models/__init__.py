@@ -16,14 +16,26 @@ MODEL_REGISTRY = {
 }
 
 
+# Multimodal checkpoints whose LM half (``text_config``) epd runs itself.
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2AudioForConditionalGeneration")
+_TEXT_MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
+                     "qwen3": Qwen3ForCausalLM}
+
+
 def get_model_class(config: PretrainedConfig):
-    """The epd class for ``config.architectures[0]``.
+    """The epd LM class for a checkpoint config (for multimodal checkpoints, the
+    class of its ``text_config``).
 
     Raises:
         ValueError: the architecture is not supported (lists those that are).
     """
-    for arch in getattr(config, "architectures", None) or []:
+    archs = getattr(config, "architectures", None) or []
+    for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
-    raise ValueError(f"unsupported architecture {getattr(config, 'architectures', None)}; "
-                     f"epd serves {sorted(MODEL_REGISTRY)}")
+        if arch in MULTIMODAL_ARCHITECTURES:
+            text_type = config.get_text_config().model_type
+            if text_type in _TEXT_MODEL_TYPES:
+                return _TEXT_MODEL_TYPES[text_type]
+    raise ValueError(f"unsupported architecture {archs or None}; epd serves "
+                     f"{sorted(MODEL_REGISTRY) + list(MULTIMODAL_ARCHITECTURES)}")

@@ -15,6 +15,24 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
     param.data.copy_(loaded)
 
 
+# Where multimodal checkpoints keep their LM half (transformers 4.x layout and
+# transformers 5 layout), and the tower/projector prefixes the LM skips.
+_LM_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                ("language_model.lm_head.", "lm_head."))
+_TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.", "audio_tower.", "model.audio_tower.",
+                   "multi_modal_projector.", "model.multi_modal_projector.")
+
+
+def lm_checkpoint_name(name: str) -> str | None:
+    """The LM parameter name for checkpoint tensor ``name``; None for tower/projector tensors."""
+    if name.startswith(_TOWER_PREFIXES):
+        return None
+    for old, new in _LM_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     """Copy every tensor of ``model_dir/*.safetensors`` into ``model``.
 
@@ -34,10 +52,11 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     loaded_names: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            for ckpt_name in f.keys():
+                name = lm_checkpoint_name(ckpt_name)
+                if name is None or "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
                     continue
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(ckpt_name)
                 target, shard = name, None
                 for ckpt_key, (fused, shard_id) in mapping.items():
                     if f".{ckpt_key}." in name:

@@ -6,17 +6,24 @@ No model: sequences are built from small token-id lists and "computed" by settin
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+import torch
 
 from epd.engine.block_manager import BlockManager, hash_block
 from epd.sampling_params import SamplingParams
 from epd.sequence import MultiModalPlaceholder, Sequence
 
 BS = 4
+_TAKES_EMBEDDINGS = "mm_embeddings" in inspect.signature(Sequence.__init__).parameters
 
 
 def make_seq(tokens, mm=None) -> Sequence:
-    return Sequence("req", list(tokens), SamplingParams(), mm_placeholders=mm)
+    kw = {}
+    if mm and _TAKES_EMBEDDINGS:  # one [length, hidden] tensor per placeholder; values unused here
+        kw["mm_embeddings"] = [torch.zeros(p.length, 2) for p in mm]
+    return Sequence("req", list(tokens), SamplingParams(), mm_placeholders=mm, **kw)
 
 
 def compute_and_cache(bm: BlockManager, seq: Sequence, computed_blocks=None) -> None:

@@ -30,7 +30,12 @@ def fake_token(seq: Sequence) -> int:
 
 def step(sched: Scheduler) -> tuple[SchedulerOutput, list[tuple[Sequence, int, int, bool]]]:
     """One engine step: schedule, sample where a chunk reaches the end, update, finish on length."""
+    waiting_before = len(sched.waiting)
     out = sched.schedule()
+    if out.num_preempted:
+        # A step that had to preempt admits nobody from the queue (not even the victim).
+        assert len(sched.waiting) == waiting_before + out.num_preempted
+        assert all(s.seq.status is SequenceStatus.RUNNING and s.seq not in sched.waiting for s in out.scheduled)
     # ``sample`` depends on the sequence's current length: read it before update().
     view = [(s.seq, s.start, s.num_tokens, s.sample) for s in out.scheduled]
     sampled = {s.seq.seq_id: fake_token(s.seq) for s in out.scheduled if s.sample}
@@ -214,7 +219,7 @@ def test_newest_running_sequence_is_preempted_and_recomputed():
     assert b.status is SequenceStatus.WAITING
     assert list(sched.waiting) == [b] and sched.running == [a]
     assert b.block_table == [] and b.num_computed_tokens == 0
-    assert b.token_ids == list(b.token_ids[:7]) + [1007]  # its sampled token is kept
+    assert b.num_tokens == 8 and b.output_token_ids == [1007]  # its sampled token is kept
 
     # a finishes, then b is recomputed from scratch (prompt + its output so far).
     out, view = step(sched)

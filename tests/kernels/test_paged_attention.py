@@ -190,6 +190,7 @@ def test_prefill_last_row_equals_decode():
         (8, 2, 64, 16, torch.float32),
         (6, 2, 48, 8, torch.float32),    # head_dim and group not powers of two
         (8, 1, 32, 8, torch.float32),    # MQA
+        (4, 2, 32, 12, torch.float32),   # block_size not a power of two (4 tokens per step)
         (8, 2, 64, 16, torch.float16),
         (8, 2, 64, 8, torch.bfloat16),
     ],
@@ -208,6 +209,20 @@ def test_decode_triton_matches_ref(device, num_heads, num_kv_heads, head_dim, bl
     if dtype == torch.float32:
         torch.testing.assert_close(out.double().cpu(), naive_decode(q, kc, vc, tables, ctx, scale),
                                    **TOL[dtype])
+
+
+@needs_triton
+def test_decode_triton_partial_block_steps(device, monkeypatch):
+    # A small tile budget makes each step cover part of a block (as for wide GQA groups).
+    from epd.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_MAX_TILE", 2 * 4 * 16)  # 2 tokens per step
+    kc, vc, tables, ctx = make_paged([1, 7, 16, 29], 1, 16, 16, torch.float32, device,
+                                     garbage=(-1, "poison"), seed=5)
+    q = torch.randn(4, 4, 16, device=device)
+    out = paged_decode_attention_triton(q, kc, vc, tables, ctx, 0.25)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, kc, vc, tables, ctx, 0.25),
+                               **TOL[torch.float32])
 
 
 @needs_triton
