@@ -23,9 +23,9 @@ class EncoderRunner:
     """
 
     def __init__(self, model_dir: str | Path, config: PretrainedConfig, *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", cache_bytes: int = 512 * 2**20) -> None:
+                 device: str = "cpu", cache_bytes: int = 512 * 2**20, audio_mode: str = "auto") -> None:
         self.model_dir, self.config, self.dtype, self.device = str(model_dir), config, dtype, device
-        self.modalities = model_modalities(config)
+        self.modalities = model_modalities(config, audio_mode)
         self.cache = EncoderCache(cache_bytes)
         self._vision = self._audio = self._speech = None
 

@@ -203,27 +203,63 @@ def _check_image_size(width: int, height: int, limits: MediaLimits, what: str = 
         )
 
 
-def _webp_header_size(data: bytes) -> tuple[int, int] | None:
-    """Canvas size from a WebP header (VP8X / VP8 / VP8L), or None if not parseable.
+def _header_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) declared by the header of an accepted format, or None.
 
-    Pillow's WebP plugin allocates the whole canvas when it opens the file, so the size
-    must be checked before ``Image.open``.
+    Read with a few slices (JPEG: a walk over the segments before the frame header), so
+    zero-size and oversized images are rejected before any Pillow parser runs. This
+    matters most for WebP, whose Pillow plugin allocates the whole canvas when the file
+    is opened. Pillow's own size is checked again after opening.
     """
-    if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+    if data[:2] == b"BM" and len(data) >= 26:
+        header = int.from_bytes(data[14:18], "little")
+        if header == 12:
+            return int.from_bytes(data[18:20], "little"), int.from_bytes(data[20:22], "little")
+        if header >= 40:
+            w = int.from_bytes(data[18:22], "little", signed=True)
+            h = int.from_bytes(data[22:26], "little", signed=True)
+            return abs(w), abs(h)
         return None
-    chunk = data[12:16]
-    if chunk == b"VP8X":
-        w = 1 + int.from_bytes(data[24:27], "little")
-        h = 1 + int.from_bytes(data[27:30], "little")
-        return w, h
-    if chunk == b"VP8L" and data[20] == 0x2F:
-        bits = int.from_bytes(data[21:25], "little")
-        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
-    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
-        return (
-            int.from_bytes(data[26:28], "little") & 0x3FFF,
-            int.from_bytes(data[28:30], "little") & 0x3FFF,
-        )
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP" and len(data) >= 30:
+        chunk = data[12:16]
+        if chunk == b"VP8X":
+            return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+        if chunk == b"VP8L" and data[20] == 0x2F:
+            bits = int.from_bytes(data[21:25], "little")
+            return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+        if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+            return (
+                int.from_bytes(data[26:28], "little") & 0x3FFF,
+                int.from_bytes(data[28:30], "little") & 0x3FFF,
+            )
+        return None
+    if data[:3] == b"\xff\xd8\xff":
+        return _jpeg_frame_size(data)
+    return None
+
+
+def _jpeg_frame_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from the first SOFn segment of a JPEG, or None."""
+    pos, n = 2, len(data)
+    for _ in range(65536):
+        if pos + 9 > n or data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length
+            pos += 2
+            continue
+        if marker in (0xD9, 0xDA):  # EOI / SOS before any frame header
+            return None
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return int.from_bytes(data[pos + 7 : pos + 9], "big"), int.from_bytes(data[pos + 5 : pos + 7], "big")
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
     return None
 
 
@@ -303,9 +339,11 @@ def decode_image(
     greyscale is scaled to 8 bits.
 
     Checks, in order, each before any costlier work: byte size (``max_image_bytes``),
-    format (sniffed; only the accepted formats' parsers run), declared width*height
-    (``max_image_pixels``, capped by ``PIL.Image.MAX_IMAGE_PIXELS``; for WebP before the
-    file is even opened), JPEG scan count (:data:`MAX_JPEG_SCANS`), then the decode.
+    width*height declared by the header, read with plain slicing before any Pillow
+    parser runs (``max_image_pixels``, capped by ``PIL.Image.MAX_IMAGE_PIXELS``),
+    format (``Image.open`` restricted to the accepted plugins), Pillow's own size (same
+    limit; also catches a GIF frame larger than its screen), JPEG scan count
+    (:data:`MAX_JPEG_SCANS`), then ``load()`` of the first frame.
 
     Raises:
         EmptyMediaError: ``data`` is empty or the image has zero width/height.
@@ -318,9 +356,9 @@ def decode_image(
     bg = _check_background(background)
     buf = _as_bytes(data, "image", limits.max_image_bytes)
 
-    webp_size = _webp_header_size(buf)
-    if webp_size is not None:
-        _check_image_size(*webp_size, limits, what="WebP canvas")
+    declared = _header_size(buf)
+    if declared is not None:
+        _check_image_size(*declared, limits, what="image header")
 
     try:
         img = Image.open(io.BytesIO(buf), formats=_PIL_OPEN_FORMATS)

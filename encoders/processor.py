@@ -71,14 +71,30 @@ def item_hash(modality: str, params: dict, *tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def model_modalities(config: PretrainedConfig) -> dict[str, str]:
-    """modality -> how it is served: {"image": "embed"} for LLaVA,
-    {"audio": "embed"} for Qwen2-Audio, {"audio": "transcribe"} for text-only LMs."""
+AUDIO_MODES = ("auto", "transcribe", "embed")
+
+
+def model_modalities(config: PretrainedConfig, audio_mode: str = "auto") -> dict[str, str]:
+    """modality -> how it is served.
+
+    LLaVA: {"image": "embed"}; Qwen2-Audio: {"audio": "embed"} (or "transcribe"
+    when asked); text-only LMs: {"audio": "transcribe"} (Whisper tiny.en speech
+    front end; ``audio_mode="embed"`` is refused: they have no audio tower).
+
+    Raises:
+        ValueError: unknown ``audio_mode`` or "embed" for a model without an audio tower.
+    """
+    if audio_mode not in AUDIO_MODES:
+        raise ValueError(f"audio_mode must be one of {AUDIO_MODES}, got {audio_mode!r}")
     model_type = getattr(config, "model_type", "")
     if model_type == "llava":
-        return {"image": "embed"}
+        if audio_mode == "embed":
+            raise ValueError("audio_mode='embed' needs an audio tower; this LLaVA model has none")
+        return {"image": "embed"} | ({"audio": "transcribe"} if audio_mode == "transcribe" else {})
     if model_type == "qwen2_audio":
-        return {"audio": "embed"}
+        return {"audio": "transcribe" if audio_mode == "transcribe" else "embed"}
+    if audio_mode == "embed":
+        raise ValueError(f"audio_mode='embed' needs an audio tower; {model_type or 'this'} model has none")
     return {"audio": "transcribe"}
 
 
@@ -96,13 +112,13 @@ class MultiModalProcessor:
 
     def __init__(self, model_dir: str | Path, config: PretrainedConfig, *,
                  limits: MediaLimits = MediaLimits(), background: tuple[int, int, int] = (255, 255, 255),
-                 max_items_per_prompt: int = 16) -> None:
+                 max_items_per_prompt: int = 16, audio_mode: str = "auto") -> None:
         self.model_dir = str(model_dir)
         self.config = config
         self.limits = limits
         self.background = tuple(background)
         self.max_items_per_prompt = max_items_per_prompt
-        self.modalities = model_modalities(config)
+        self.modalities = model_modalities(config, audio_mode)
         self.image_processor = None
         self.feature_extractor = None
         self.placeholder_ids: dict[str, int] = {}

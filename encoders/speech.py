@@ -70,6 +70,7 @@ class SpeechFrontEnd:
         gc.do_sample = False
         gc.num_beams = 1
         gc.return_timestamps = False
+        self.model.generation_config = gc
         self._window = self.window_seconds * self.sample_rate
 
     # ----------------------------------------------------------------------------------
@@ -127,11 +128,7 @@ class SpeechFrontEnd:
             windows, sampling_rate=self.sample_rate, return_tensors="pt"
         ).input_features.to(self.device)
         with torch.inference_mode():
-            ids = self.model.generate(
-                input_features=feats,
-                generation_config=self.generation_config,
-                return_timestamps=False,
-            )
+            ids = self.model.generate(input_features=feats, return_timestamps=False)
         if not isinstance(ids, torch.Tensor):  # a ModelOutput when configured to return dicts
             ids = ids["sequences"]
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)

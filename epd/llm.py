@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 
 from transformers import AutoTokenizer
 
-from epd.config import EngineConfig
+from epd.config import ConfigError, EngineConfig
 from epd.engine.llm_engine import LLMEngine
 from epd.errors import InvalidRequestError
 from epd.model_files import resolve_model
@@ -23,6 +23,10 @@ class LLM:
     Args:
         model: a directory with config.json + safetensors, a .gguf file, or None
             for the embedded default (SmolLM2-135M-Instruct).
+        audio_mode: "auto" (audio-native models embed, text-only LMs transcribe),
+            "transcribe" (Whisper tiny.en speech front end: the transcript replaces
+            each ``<|audio|>`` in the prompt text) or "embed" (audio tower embeddings).
+        encoder_cache_gb: bound of the encoder (embedding) cache, GiB.
         The remaining arguments are ``EngineConfig``'s (see there).
 
     Raises:
@@ -33,7 +37,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
-                 kv_cache_memory_gb: float = 2.0, dtype: str = "auto", device: str = "auto", seed: int = 0) -> None:
+                 kv_cache_memory_gb: float = 2.0, dtype: str = "auto", device: str = "auto", seed: int = 0,
+                 audio_mode: str = "auto", encoder_cache_gb: float = 0.5) -> None:
         path = resolve_model(model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         config = EngineConfig(str(path), tensor_parallel_size=tensor_parallel_size, block_size=block_size,
@@ -46,6 +51,15 @@ class LLM:
         self.model_dir = str(path)
         self._mm_processor = None
         self._encoder = None
+        from epd.encoders.processor import model_modalities
+
+        try:
+            model_modalities(self.engine.config.hf_config, audio_mode)
+        except ValueError as e:
+            self.engine.shutdown()
+            raise ConfigError(str(e)) from None
+        self.audio_mode = audio_mode
+        self.encoder_cache_bytes = int(encoder_cache_gb * 2**30)
 
     @property
     def mm_processor(self):
@@ -53,7 +67,8 @@ class LLM:
         if self._mm_processor is None:
             from epd.encoders.processor import MultiModalProcessor
 
-            self._mm_processor = MultiModalProcessor(self.model_dir, self.engine.config.hf_config)
+            self._mm_processor = MultiModalProcessor(self.model_dir, self.engine.config.hf_config,
+                                                     audio_mode=self.audio_mode)
         return self._mm_processor
 
     @property
@@ -63,7 +78,8 @@ class LLM:
             from epd.encoders.encoder_runner import EncoderRunner
 
             cfg = self.engine.config
-            self._encoder = EncoderRunner(self.model_dir, cfg.hf_config, dtype=cfg.torch_dtype, device=cfg.device)
+            self._encoder = EncoderRunner(self.model_dir, cfg.hf_config, dtype=cfg.torch_dtype, device=cfg.device,
+                                          cache_bytes=self.encoder_cache_bytes, audio_mode=self.audio_mode)
         return self._encoder
 
     def get_tokenizer(self):

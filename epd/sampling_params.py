@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this are greedy (dividing logits by them overflows); as in vLLM.
+_SAMPLING_EPS = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each output token and when to stop.
 
     Args:
-        temperature: 0 means greedy (argmax); > 0 scales logits before sampling.
+        temperature: 0 (anything below 1e-5) means greedy (argmax); > 0 scales
+            logits before sampling.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability
             mass reaches ``top_p`` (1.0 = off).
         top_k: keep the ``top_k`` most likely tokens (0 or -1 = off).
@@ -53,11 +57,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
@@ -68,4 +72,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _SAMPLING_EPS

@@ -87,7 +87,7 @@ class BlockManager:
         """Block ids of the longest cached prefix of ``seq`` (full blocks only).
 
         At least one token is always left to compute so the step yields logits.
-        Counts the lookup in ``prefix_cache_queries`` / ``_hits`` (tokens).
+        The caller records admitted lookups with ``record_prefix_lookup``.
         """
         if not self.enable_prefix_caching:
             return []
@@ -101,9 +101,13 @@ class BlockManager:
             if block_id is None:
                 break
             hit.append(block_id)
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += len(hit) * bs
         return hit
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix-cache lookup (tokens)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     # ---- allocation ---------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:

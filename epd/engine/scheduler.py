@@ -101,6 +101,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_computed
+            self.block_manager.record_prefix_lookup(seq.num_tokens, num_computed)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_computed
             seq.status = SequenceStatus.RUNNING

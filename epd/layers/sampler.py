@@ -45,7 +45,9 @@ class Sampler:
             sorted_logits, idx = sub.sort(dim=-1, descending=False)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             p = torch.tensor(top_ps, dtype=torch.float32)[:, None]
-            drop = cum <= (1 - p)
+            # 1e-6 slack: fp32 rounding must not keep a token past an exact nucleus;
+            # rows with top-p off lose nothing.
+            drop = (cum <= (1 - p) + 1e-6) & (p < 1.0)
             drop[:, -1] = False  # always keep the most likely token
             sub = sub.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
         probs = sub.softmax(dim=-1)

@@ -327,17 +327,24 @@ def test_freeing_everything_returns_all_blocks():
 # ---- counters and switches -------------------------------------------------
 
 def test_prefix_cache_counters_count_tokens():
+    """Counters move only when a lookup is recorded (on admission), in tokens."""
     bm = BlockManager(16, BS)
     a = make_seq(range(10))
     assert bm.get_computed_blocks(a) == []
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)  # lookups alone count nothing
+    bm.record_prefix_lookup(a.num_tokens, 0)
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10, 0)
     compute_and_cache(bm, a)
     b = make_seq(list(range(8)) + [77] * 5)
-    assert len(bm.get_computed_blocks(b)) == 2
+    hit = bm.get_computed_blocks(b)
+    assert len(hit) == 2
+    bm.record_prefix_lookup(b.num_tokens, len(hit) * BS)
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (23, 8)
     c = make_seq(range(4))  # one block but the last token is never a hit
     assert bm.get_computed_blocks(c) == []
-    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (27, 8)
+    off = BlockManager(4, BS, enable_prefix_caching=False)
+    off.record_prefix_lookup(10, 0)
+    assert (off.prefix_cache_queries, off.prefix_cache_hits) == (0, 0)
 
 
 def test_disabled_prefix_caching_never_hashes_or_hits():

@@ -226,7 +226,7 @@ def test_newest_running_sequence_is_preempted_and_recomputed():
     assert view == [(a, 9, 1, True)] and a.is_finished
     out, view = step(sched)
     assert view == [(b, 0, 8, True)]
-    history = run_to_completion(sched, [])
+    run_to_completion(sched, [])
     assert a.output_token_ids == expected_output(a)
     assert b.output_token_ids == expected_output(b)
     assert sched.block_manager.num_free_blocks == 4
@@ -245,7 +245,7 @@ def test_a_sequence_that_is_itself_the_newest_preempts_itself():
     assert view == [(a, 7, 1, True)]  # a keeps running, untouched
     assert list(sched.waiting) == [b] and b.block_table == [] and b.num_computed_tokens == 0
     assert a.is_finished
-    history = run_to_completion(sched, [])
+    run_to_completion(sched, [])
     assert b.output_token_ids == expected_output(b)
 
 
@@ -302,7 +302,7 @@ def test_stress_small_cache_many_requests():
         sched = make_sched(num_blocks=9, max_num_seqs=5, budget=7, prefix=prefix)
         seqs = [make_seq(n, max_tokens=m, first=i * 7) for i, (n, m) in
                 enumerate([(13, 5), (5, 9), (2, 12), (17, 3), (6, 6), (9, 8), (3, 3), (11, 7)])]
-        history = run_to_completion(sched, seqs)
+        run_to_completion(sched, seqs)
         assert sched.num_preemptions > 0  # the cache really is too small
         for s in seqs:
             assert s.output_token_ids == expected_output(s)
@@ -371,3 +371,18 @@ def test_finish_a_preempted_sequence():
     sched.finish(a, "abort")
     assert not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == 4
+
+
+def test_prefix_lookup_counted_once_per_admission():
+    """A request that waits several steps for blocks is counted once, when admitted."""
+    sched = make_sched(num_blocks=4, max_num_seqs=4, budget=64)
+    big = make_seq(14, max_tokens=1, request_id="big")  # 4 blocks: the whole cache
+    small = make_seq(5, max_tokens=1, first=50, request_id="small")
+    sched.add(big)
+    sched.add(small)
+    for _ in range(6):
+        step(sched)
+        if not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished()
+    assert sched.block_manager.prefix_cache_queries == 14 + 5
