@@ -809,8 +809,11 @@ def _resample(x: np.ndarray, orig: int, new: int) -> np.ndarray:
             if limit_den == 1:
                 break
     out_len = math.ceil(x.shape[0] * new / orig)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not x.flags.writeable:  # torch.from_numpy warns on read-only memory
+        x = x.copy()
     with torch.inference_mode():
-        y = resample(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), o, n).numpy()
+        y = resample(torch.from_numpy(x), o, n).numpy()
     if y.shape[0] > out_len:
         y = y[:out_len]
     elif y.shape[0] < out_len:

@@ -32,3 +32,26 @@ def test_tp2_matches_tp1(kind, tiny_model_dirs):
 def test_tp_must_divide_kv_heads(tiny_model_dirs):
     with pytest.raises(ConfigError, match="must divide"):
         LLM(tiny_model_dirs["llama"], tensor_parallel_size=3)
+
+
+@pytest.mark.slow
+def test_tp2_with_image_embeddings(tmp_path):
+    """Media embeddings reach every TP rank (broadcast beside the step message)."""
+    import numpy as np
+    from PIL import Image
+
+    from epd.tiny import IMAGE_TOKEN, create_tiny_model
+
+    model_dir = str(create_tiny_model("llava", tmp_path / "llava"))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)) for _ in range(2)]
+    request = {"prompt": f"Look {IMAGE_TOKEN}{IMAGE_TOKEN} and tell", "multi_modal_data": {"image": images}}
+    params = SamplingParams(temperature=0, max_tokens=10)
+    tp1 = LLM(model_dir, block_size=8, max_num_batched_tokens=16)
+    expected = tp1.generate(request, params)[0].outputs[0].token_ids
+    tp1.shutdown()
+    tp2 = LLM(model_dir, block_size=8, max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        assert tp2.generate(request, params)[0].outputs[0].token_ids == expected
+    finally:
+        tp2.shutdown()
