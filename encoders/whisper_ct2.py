@@ -215,9 +215,9 @@ def _read_ct2(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.nda
                     f"variable {name!r} of shape {dims} and dtype {dtype_name} needs "
                     f"{numel * dtype.itemsize} bytes but the file says {nbytes}"
                 )
-            buf = bytearray(nbytes)  # nbytes <= remaining file size: checked in into()
-            if nbytes > size - r.pos:
+            if nbytes > size - r.pos:  # before allocating anything
                 raise r.fail(f"data of {name!r} needs {nbytes} bytes but only {size - r.pos} remain")
+            buf = bytearray(nbytes)
             r.into(buf, f"data of {name!r}")
             arr = np.frombuffer(buf, dtype=dtype).reshape(dims)
             if type_id == 5:  # bfloat16 -> float32 (numpy has no bfloat16)

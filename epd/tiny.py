@@ -25,7 +25,7 @@ import os
 import pathlib
 from collections.abc import Callable
 
-__all__ = ["TINY_KINDS", "TINY_CHAT_TEMPLATE", "build_tiny_tokenizer", "create_tiny_model"]
+__all__ = ["TINY_KINDS", "TEXT_KINDS", "MULTIMODAL_KINDS", "TINY_CHAT_TEMPLATE", "build_tiny_tokenizer", "create_tiny_model"]
 
 # ChatML as SmolLM2 uses it, minus SmolLM2's default system prompt (keeps prompts short).
 TINY_CHAT_TEMPLATE = (
@@ -241,6 +241,8 @@ _CONFIGS: dict[str, Callable] = {
 _MULTIMODAL_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava-siglip": "LlavaForConditionalGeneration",
                        "qwen2-audio": "Qwen2AudioForConditionalGeneration"}
 TINY_KINDS = tuple(_CONFIGS)
+TEXT_KINDS = ("llama", "qwen2", "qwen3")
+MULTIMODAL_KINDS = tuple(_MULTIMODAL_CLASSES)
 
 
 def _reinit_(model, seed: int) -> None:

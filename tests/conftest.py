@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TINY_KINDS = ("llama", "qwen2", "qwen3")
+from epd.tiny import TEXT_KINDS as TINY_KINDS  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ def tmp_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {kind: tiny.create_tiny_model(kind, root / kind) for kind in tiny.TINY_KINDS}
+    return {kind: tiny.create_tiny_model(kind, root / kind) for kind in tiny.TEXT_KINDS}
 
 
 # --------------------------------------------------------------------------- errors
@@ -247,7 +247,7 @@ def test_tiny_chat_template():
     assert not tok.apply_chat_template(msgs, tokenize=False).endswith("assistant\n")
 
 
-@pytest.mark.parametrize("kind", tiny.TINY_KINDS)
+@pytest.mark.parametrize("kind", tiny.TEXT_KINDS)
 def test_tiny_model_loads_and_generates(tiny_dirs, kind):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
