@@ -148,7 +148,6 @@ class SpeechFrontEnd:
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
-
 class _SuppressTokens:
     """Whisper's token suppression (a logits processor) with masks built once: ``always``
     at every step, plus ``at_begin`` for the first generated token (the one after

@@ -248,6 +248,22 @@ def test_windowing_without_model():
         fe.transcribe_batch([np.zeros(10, np.float32), np.zeros(0, np.float32)])
 
 
+def test_suppress_tokens_processor():
+    import torch
+
+    from epd.encoders.speech import _SuppressTokens
+
+    proc = _SuppressTokens([1, 3], [220, 5], begin_index=2, vocab=8 + 220, device="cpu")
+    scores = torch.zeros(2, 228)
+    first = proc(torch.zeros(2, 2, dtype=torch.long), scores)
+    later = proc(torch.zeros(2, 3, dtype=torch.long), scores)
+    assert torch.isinf(first).sum(-1).tolist() == [4, 4]
+    assert torch.isinf(first[:, [1, 3, 5, 220]]).all()
+    assert torch.isinf(later).sum(-1).tolist() == [2, 2]
+    assert torch.isinf(later[:, [1, 3]]).all()
+    assert not scores.isinf().any()  # not modified in place
+
+
 # --------------------------------------------------------------------------------------
 # converted model (slow: converts once into the cache, ~10 s)
 
@@ -341,6 +357,27 @@ def test_resolve_whisper_reuses_cache(whisper_dir):
     assert resolve_whisper() == whisper_dir
     assert marker.stat().st_mtime_ns == before  # not converted again
     assert not list(whisper_dir.parent.glob(f".{whisper_dir.name}.tmp-*"))
+
+
+@pytest.mark.slow
+def test_cached_copy_validation(whisper_dir, tmp_path):
+    """A cached conversion is reused only when intact and made by this converter."""
+    from epd.encoders.whisper_ct2 import _cache_ok
+
+    model_bin = _package_model_dir() / "model.bin"
+    copy = tmp_path / "whisper-tiny.en"
+    shutil.copytree(whisper_dir, copy)
+    assert _cache_ok(copy, model_bin)
+    marker = copy / MARKER_FILE
+    info = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**info, "converter_version": -1}))
+    assert not _cache_ok(copy, model_bin)
+    marker.write_text(json.dumps(info))
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert not _cache_ok(copy, model_bin)
+    shutil.rmtree(copy)
+    assert not _cache_ok(copy, model_bin)
 
 
 @pytest.mark.slow
