@@ -242,12 +242,15 @@ def _header_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def _jpeg_frame_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from the first SOFn segment of a JPEG, or None."""
+def _jpeg_segments(data: bytes):
+    """Yield (position, marker) of the JPEG segments before the first scan, walking
+    segment lengths (so EXIF thumbnails inside APP segments are skipped); the last
+    marker yielded is SOS (0xDA) or EOI (0xD9) when the walk reaches one. Stops on
+    malformed data or after 65536 segments."""
     pos, n = 2, len(data)
     for _ in range(65536):
-        if pos + 9 > n or data[pos] != 0xFF:
-            return None
+        if pos + 4 > n or data[pos] != 0xFF:
+            return
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
@@ -255,11 +258,17 @@ def _jpeg_frame_size(data: bytes) -> tuple[int, int] | None:
         if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length
             pos += 2
             continue
-        if marker in (0xD9, 0xDA):  # EOI / SOS before any frame header
-            return None
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return int.from_bytes(data[pos + 7 : pos + 9], "big"), int.from_bytes(data[pos + 5 : pos + 7], "big")
+        yield pos, marker
+        if marker in (0xD9, 0xDA):
+            return
         pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+
+
+def _jpeg_frame_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from the first SOFn segment of a JPEG, or None."""
+    for pos, marker in _jpeg_segments(data):
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and pos + 9 <= len(data):
+            return int.from_bytes(data[pos + 7 : pos + 9], "big"), int.from_bytes(data[pos + 5 : pos + 7], "big")
     return None
 
 
@@ -271,28 +280,11 @@ def _jpeg_scan_count(data: bytes) -> int:
     (which can only make the count higher). Before the first SOS, segments are skipped
     by their lengths so an EXIF thumbnail is not counted.
     """
-    first_sos = -1
-    pos, n = 2, len(data)
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            return 0  # malformed: let the decoder report it
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # no length
-            pos += 2
-            continue
-        if marker == 0xD9:
-            return 0
-        if marker == 0xDA:
-            first_sos = pos
-            break
-        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    first_sos = next((pos for pos, marker in _jpeg_segments(data) if marker == 0xDA), -1)
     if first_sos < 0:
         return 0
     end = data.find(b"\xff\xd9", first_sos)
-    return 1 + data.count(b"\xff\xda", first_sos + 2, end if end >= 0 else n)
+    return 1 + data.count(b"\xff\xda", first_sos + 2, end if end >= 0 else len(data))
 
 
 def _identify_other_image_format(data: bytes) -> str | None:

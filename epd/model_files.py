@@ -17,6 +17,7 @@ marker file and renamed into place atomically; a ``fcntl.flock`` on a lock file 
 from __future__ import annotations
 
 import contextlib
+import functools
 import fcntl
 import hashlib
 import importlib.util
@@ -26,7 +27,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -228,38 +229,78 @@ def _file_lock(name: str) -> Iterator[None]:
             fcntl.flock(fd.fileno(), fcntl.LOCK_UN)
 
 
-def _marker_ok(target: pathlib.Path, gguf: pathlib.Path) -> bool:
+def _marker_ok(target: pathlib.Path, source: pathlib.Path, converter_version: str | None = None) -> bool:
     marker = target / MARKER_FILE
     try:
         info = json.loads(marker.read_text(encoding="utf-8"))
-        return int(info["source_size"]) == gguf.stat().st_size
+        return (int(info["source_size"]) == source.stat().st_size
+                and info.get("converter_version") == converter_version)
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
-def _cached_conversion(gguf: pathlib.Path, name: str) -> pathlib.Path:
-    """Return ``cache_dir()/models/<name>``, converting ``gguf`` into it if needed.  A
-    cached copy that fails ``check_model_dir`` is removed and converted again once."""
+def cache_is_valid(target: pathlib.Path, source: pathlib.Path, *, converter_version: str | None = None,
+                   required_files: tuple[str, ...] = ()) -> bool:
+    """True when ``target`` is a finished, intact conversion of ``source`` made by
+    ``converter_version`` (marker present, files readable, ``required_files`` there)."""
+    if not _marker_ok(target, source, converter_version):
+        return False
+    if not all((target / f).is_file() for f in required_files):
+        return False
+    try:
+        check_model_dir(target)
+    except (ModelLoadError, ModelNotFoundError) as exc:
+        logger.warning("cached model %s is corrupt (%s); converting %s again", target, exc, source)
+        return False
+    return True
+
+
+def cached_conversion(name: str, source: pathlib.Path, convert: Callable[[pathlib.Path, pathlib.Path], None], *,
+                      converter_version: str | None = None, required_files: tuple[str, ...] = ()) -> pathlib.Path:
+    """``cache_dir()/models/<name>``, made by ``convert(source, out_dir)`` once and reused.
+
+    The conversion runs under a file lock (several processes may start at once),
+    into a temp dir next to the target that is renamed into place after the
+    completion marker is written, so a crash never leaves a half copy in use. A
+    cached copy that fails ``cache_is_valid`` is removed and converted again.
+
+    Raises:
+        ModelLoadError: the converted copy is unreadable.
+    """
     target = cache_dir() / "models" / name
-    if _marker_ok(target, gguf):  # fast path: no lock, no reconversion
-        try:
-            check_model_dir(target)
-            return target
-        except (ModelLoadError, ModelNotFoundError) as exc:
-            logger.warning("cached model %s is corrupt (%s); converting %s again", target, exc, gguf)
+    valid = functools.partial(cache_is_valid, target, source, converter_version=converter_version,
+                              required_files=required_files)
+    if valid():  # fast path: no lock, no reconversion
+        return target
     with _file_lock(name):
-        # Another process may have finished (or repaired) the conversion meanwhile.
-        if _marker_ok(target, gguf):
-            try:
-                check_model_dir(target)
-                return target
-            except (ModelLoadError, ModelNotFoundError) as exc:
-                logger.warning("cached model %s is corrupt (%s); converting again", target, exc)
+        if valid():  # another process finished (or repaired) the conversion meanwhile
+            return target
         if target.exists() or target.is_symlink():
             _remove(target)
-        _convert_gguf(gguf, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        logger.warning("epd: converting %s into %s (once)", source, target)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            convert(source, tmp)
+            for f in tmp.iterdir():
+                if f.is_file():
+                    os.chmod(f, 0o644)
+            st = source.stat()
+            marker = {"source": str(source), "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
+                      "converter_version": converter_version, "transformers_version": _transformers_version()}
+            (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+            os.chmod(tmp, 0o755)  # mkdtemp creates 0700
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         check_model_dir(target)
         return target
+
+
+def _cached_conversion(gguf: pathlib.Path, name: str) -> pathlib.Path:
+    """The GGUF checkpoint ``gguf`` converted to safetensors in the cache."""
+    return cached_conversion(name, gguf, lambda src, out: _export_gguf(src, out))
 
 
 def _remove(path: pathlib.Path) -> None:
@@ -267,38 +308,6 @@ def _remove(path: pathlib.Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink()
-
-
-def _convert_gguf(gguf: pathlib.Path, target: pathlib.Path) -> None:
-    """Convert ``gguf`` into ``target``: export into a temp dir next to it, write the
-    completion marker, then rename the temp dir into place atomically."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.warning("epd: converting %s to safetensors in %s (once, ~20 s)", gguf, target)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        _export_gguf(gguf, tmp)
-        for f in tmp.iterdir():
-            if f.is_file():
-                os.chmod(f, 0o644)
-        st = gguf.stat()
-        (tmp / MARKER_FILE).write_text(
-            json.dumps(
-                {
-                    "source": str(gguf),
-                    "source_size": st.st_size,
-                    "source_mtime_ns": st.st_mtime_ns,
-                    "transformers_version": _transformers_version(),
-                },
-                indent=2,
-            )
-            + "\n",
-            encoding="utf-8",
-        )
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _transformers_version() -> str | None:

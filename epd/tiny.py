@@ -19,7 +19,6 @@ outputs can be compared token for token.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import pathlib
