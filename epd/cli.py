@@ -1,4 +1,4 @@
-"""``epd`` command line: generate, model create-tiny (launch/worker/bench arrive with later issues)."""
+"""``epd`` command line: generate, launch, worker, model create-tiny."""
 
 from __future__ import annotations
 
@@ -63,6 +63,69 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+# Engine settings a worker takes; `epd launch` forwards the ones given to every worker.
+_WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
+                        ("--kv-cache-memory-gb", float), ("--num-kv-blocks", int), ("--max-model-len", int))
+
+
+def _forwarded_worker_args(args: argparse.Namespace) -> list[str]:
+    out = []
+    for flag, _ in _WORKER_ENGINE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from epd.workers import WorkerArgs, run_worker
+
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.instance_id} %(levelname)s %(message)s")
+    engine_kwargs = {k: getattr(args, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                                                   "kv_cache_memory_gb", "num_kv_blocks", "max_model_len")}
+    run_worker(WorkerArgs(role=args.role, instance_id=args.instance_id, router=args.router, model=args.model,
+                          rank=args.rank, tp=args.tp, threads=args.threads,
+                          engine_kwargs=engine_kwargs if args.role != "encode" else {}))
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from transformers import AutoConfig
+
+    from epd.launch_spec import LaunchSpecError, build_launch_plan, parse_pools, parse_tp
+    from epd.launcher import check_port_free
+    from epd.model_files import resolve_model
+
+    t0 = time.monotonic()
+    pools = parse_pools(args.pools)
+    parse_tp(args.tp, pools)
+    check_port_free(args.host, args.port)
+    path = resolve_model(args.model)
+    text_cfg = AutoConfig.from_pretrained(str(path)).get_text_config()
+    plan = build_launch_plan(args.pools, args.tp, num_attention_heads=text_cfg.num_attention_heads,
+                             num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)
+    if any(p.tp > 1 for p in plan):
+        raise LaunchSpecError("tensor parallelism inside `epd launch` pools is not available yet (it lands with "
+                              "heterogeneous-TP staging); use --tp 1 per pool, or the offline LLM(tensor_parallel_size=N)")
+    from epd.api.serve import serve
+
+    return asyncio.run(serve(plan, path, args, t0, _forwarded_worker_args(args)))
+
+
 def cmd_create_tiny(args: argparse.Namespace) -> int:
     from epd.tiny import create_tiny_model
 
@@ -91,6 +154,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
 
+    la = sub.add_parser("launch", help="serve a model over HTTP with encode/prefill/decode worker pools")
+    la.add_argument("--pools", default="e:1,p:1,d:1",
+                    help="devices (on CPU: processes) per pool: e=encode, p=prefill, d=decode, pd=aggregated "
+                         "prefill+decode; e.g. e:2,p:4,d:8 or e:1,pd:2; e:0 runs without an encode pool "
+                         "(default: %(default)s)")
+    la.add_argument("--tp", default=None,
+                    help="tensor-parallel ranks per instance of the p/d/pd pools, e.g. p:4,d:1 (default: 1; "
+                         "must divide the pool's devices and the model's heads; encoders have no TP)")
+    la.add_argument("--model", default=None,
+                    help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
+    la.add_argument("--host", default="127.0.0.1", help="HTTP address (default: %(default)s)")
+    la.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    la.add_argument("--threads-per-worker", type=_positive_int, default=None,
+                    help="torch threads per worker process (default: usable cores / processes, at least 1)")
+    la.add_argument("--router-port", type=int, default=0,
+                    help="router's ZeroMQ port on 127.0.0.1 (default 0: pick a free one)")
+    la.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
+    for flag, typ in _WORKER_ENGINE_FLAGS:
+        la.add_argument(flag, type=typ, default=None, help="forwarded to every worker (default: the worker's)")
+    la.set_defaults(func=cmd_launch)
+
+    w = sub.add_parser("worker", help="one worker process (started by `epd launch`, not by hand)")
+    w.add_argument("--role", required=True, choices=["encode", "prefill", "decode", "pd"])
+    w.add_argument("--instance-id", required=True, help="e.g. prefill-0; the TP ranks of an instance share it")
+    w.add_argument("--rank", type=int, default=0, help="TP rank inside the instance, 0..tp-1")
+    w.add_argument("--tp", type=_positive_int, default=1, help="TP ranks of the instance")
+    w.add_argument("--router", required=True, help="router's ZeroMQ endpoint, e.g. tcp://127.0.0.1:5555")
+    w.add_argument("--model", default=None,
+                   help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
+    w.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    w.add_argument("--block-size", type=_positive_int, default=16)
+    w.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    w.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    w.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    w.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                   help="KV cache size in blocks (overrides --kv-cache-memory-gb)")
+    w.add_argument("--max-model-len", type=_positive_int, default=None)
+    w.set_defaults(func=cmd_worker)
+
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
     ct = msub.add_parser("create-tiny", help="write a tiny random checkpoint for tests and benchmarks")
@@ -104,11 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from epd.config import ConfigError
+    from epd.launch_spec import LaunchSpecError
     from epd.model_files import ModelLoadError, ModelNotFoundError
 
     try:
         return args.func(args)
-    except (ModelNotFoundError, ModelLoadError, ConfigError) as e:
+    except (ModelNotFoundError, ModelLoadError, ConfigError, LaunchSpecError) as e:
         print(f"epd {args.command}: {e}", file=sys.stderr)
         return 2
 

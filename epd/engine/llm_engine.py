@@ -20,7 +20,7 @@ from epd.errors import InvalidRequestError
 from epd.layers.sampler import Sampler
 from epd.outputs import CompletionOutput, RequestOutput
 from epd.sampling_params import SamplingParams
-from epd.sequence import MultiModalPlaceholder, Sequence
+from epd.sequence import MultiModalPlaceholder, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 class _Request:
     seq: Sequence
     prompt: str | None
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None in workers: the API process detokenizes
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
@@ -56,7 +56,7 @@ class LLMEngine:
     (or finished) in that step. Not thread-safe: drive it from one thread.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self._procs: list[mp.Process] = []
@@ -83,6 +83,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = eos_token_ids(config.model, tokenizer)
+        # KV connector seam (vLLM v1's name): a finished sequence whose KV is still
+        # being sent keeps its blocks until ``release_held`` (prefill workers).
+        self.hold_finished_blocks = False
+        self.held: dict[str, Sequence] = {}
+        # Blocks reserved for KV that another worker will write (decode workers).
+        self.reserved: dict[str, Sequence] = {}
         self.vocab_size = config.text_config.vocab_size
         self.requests: dict[str, _Request] = {}
         self._by_seq_id: dict[int, _Request] = {}
@@ -109,9 +115,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                        mm_placeholders=mm_placeholders, mm_embeddings=mm_embeddings)
-        detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), stop=list(params.stop),
-                                       include_stop_str_in_output=params.include_stop_str_in_output,
-                                       skip_special_tokens=params.skip_special_tokens)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), stop=list(params.stop),
+                                           include_stop_str_in_output=params.include_stop_str_in_output,
+                                           skip_special_tokens=params.skip_special_tokens)
         req = _Request(seq, prompt, detok)
         self.requests[request_id] = req
         self._by_seq_id[seq.seq_id] = req
@@ -134,7 +142,12 @@ class LLMEngine:
                 f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt")
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request wherever it is; frees its blocks. Unknown ids are ignored."""
+        """Stop a request wherever it is (queued, running, reserved, held for a KV
+        send); frees its blocks. Unknown ids are ignored."""
+        reserved = self.reserved.pop(request_id, None)
+        if reserved is not None:
+            self.block_manager.free(reserved)
+        self.release_held(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -145,12 +158,18 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- the loop -------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, layer_hook_factory=None) -> list[RequestOutput]:
+        """One step: schedule -> run -> sample -> post-process.
+
+        ``layer_hook_factory(scheduler_output)``, when given, returns the
+        per-layer hook for this step (see ``AttentionMetadata.layer_hook``).
+        """
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         step, mm_embeds = build_step_input(sched, self.config.block_size)
-        logits = self.runner.execute(step, mm_embeds)
+        hook = layer_hook_factory(sched) if layer_hook_factory is not None else None
+        logits = self.runner.execute(step, mm_embeds, hook)
         sampled: dict[int, int] = {}
         if step.seq_ids:
             seqs = [self._by_seq_id[i].seq for i in step.seq_ids]
@@ -160,29 +179,98 @@ class LLMEngine:
 
     def _process(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        params = seq.params
         token = seq.token_ids[-1]
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
-        stop_str = req.detokenizer.update([token])
-        if token in params.stop_token_ids:
-            self.scheduler.finish(seq, "stop", token)
-        elif not params.ignore_eos and token in seq.eos_token_ids:
-            self.scheduler.finish(seq, "stop", None)
-        elif stop_str is not None:
-            self.scheduler.finish(seq, "stop", stop_str)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            self.scheduler.finish(seq, "length")
+        self._check_stop(req, token)
         finished = seq.is_finished
         if finished:
             self.requests.pop(seq.request_id, None)
             self._by_seq_id.pop(seq.seq_id, None)
         return self._output(req, finished)
 
+    def _check_stop(self, req: _Request, token: int) -> None:
+        seq, params = req.seq, req.seq.params
+        stop_str = req.detokenizer.update([token]) if req.detokenizer is not None else None
+        if token in params.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif not params.ignore_eos and token in seq.eos_token_ids:
+            self._finish(seq, "stop", None)
+        elif stop_str is not None:
+            self._finish(seq, "stop", stop_str)
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        if self.hold_finished_blocks:
+            self.scheduler.finish(seq, reason, stop_reason, free=False)
+            self.held[seq.request_id] = seq
+        else:
+            self.scheduler.finish(seq, reason, stop_reason)
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks of a finished sequence kept for a KV send."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+
+    # ---- decode side of a KV transfer -----------------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV another worker will write.
+
+        Returns the block ids (one per ``block_size`` prompt tokens), or None when
+        there is no room now (nothing changed). The sequence joins the running
+        batch with ``add_prefilled``; ``abort_request`` releases it.
+
+        Raises:
+            InvalidRequestError: as ``add_request``.
+        """
+        self.validate(prompt_token_ids, params)
+        if request_id in self.requests or request_id in self.reserved:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+        if len(self.scheduler.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return None
+        seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        if self.scheduler.waiting or not self.block_manager.allocate_slots(seq, seq.num_tokens):
+            return None
+        self.reserved[request_id] = seq
+        return list(seq.block_table)
+
+    def add_prefilled(self, request_id: str, first_token: int) -> RequestOutput:
+        """Join a reserved sequence whose prompt KV now fills its blocks.
+
+        ``first_token`` was sampled by the prefill worker; a seeded random
+        request's generator is advanced past that draw so the stream equals
+        the aggregated engine's.
+
+        Raises:
+            KeyError: no reservation for ``request_id``.
+        """
+        seq = self.reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(first_token)
+        if seq.generator is not None and not seq.params.greedy:
+            torch.empty(self.vocab_size).exponential_(generator=seq.generator)
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.RUNNING
+        self.block_manager.cache_full_blocks(seq)
+        req = _Request(seq, None, None)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens],
+                                                     stop=list(seq.params.stop),
+                                                     include_stop_str_in_output=seq.params.include_stop_str_in_output,
+                                                     skip_special_tokens=seq.params.skip_special_tokens)
+        self.requests[request_id] = req
+        self._by_seq_id[seq.seq_id] = req
+        self.scheduler.running.append(seq)
+        return self._process(req)
+
     def _output(self, req: _Request, finished: bool) -> RequestOutput:
         seq = req.seq
-        text = req.detokenizer.get_next_output_text(finished, delta=False) if finished else req.detokenizer.output_text
+        detok = req.detokenizer
+        text = "" if detok is None else (detok.get_next_output_text(finished, delta=False) if finished
+                                         else detok.output_text)
         comp = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
         metrics = {"arrival_time": seq.arrival_time}
         if seq.first_token_time is not None:
@@ -200,6 +288,8 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "kv_cache_usage": bm.usage(),
             "num_running": len(self.scheduler.running),
+            "num_reserved": len(self.reserved),
+            "num_held": len(self.held),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.prefix_cache_queries,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 import os
 import socket
 
@@ -135,16 +136,19 @@ class ModelRunner:
         attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
         for i, layer in enumerate(attn_layers):
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
+            layer.layer_idx = i
 
     # ---- rank 0 -------------------------------------------------------
-    def execute(self, step: StepInput, mm_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, step: StepInput, mm_embeds: torch.Tensor | None = None,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Run a step on every rank; returns logits [len(logits_indices), vocab]
-        (fp32) on rank 0. ``mm_embeds``: [sum of mm_rows lengths, hidden]."""
+        (fp32) on rank 0. ``mm_embeds``: [sum of mm_rows lengths, hidden];
+        ``layer_hook(l)`` runs (on rank 0) once layer l's K/V is in the cache."""
         if self.config.tensor_parallel_size > 1:
             _broadcast_message(step)
             if step.mm_rows:
                 dist.broadcast(mm_embeds.to(self.config.torch_dtype).contiguous(), src=0)
-        return self._run(step, mm_embeds)
+        return self._run(step, mm_embeds, layer_hook)
 
     def shutdown(self) -> None:
         if self.config.tensor_parallel_size > 1 and dist.is_initialized():
@@ -153,7 +157,8 @@ class ModelRunner:
 
     # ---- every rank ---------------------------------------------------
     @torch.inference_mode()
-    def _run(self, step: StepInput, mm_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _run(self, step: StepInput, mm_embeds: torch.Tensor | None = None,
+             layer_hook: Callable[[int], None] | None = None) -> torch.Tensor | None:
         dev = self.device
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
         inputs_embeds = None
@@ -174,6 +179,7 @@ class ModelRunner:
             if step.num_decode_tokens else None,
             prefills=[PrefillChunk(q0, n, ctx, torch.tensor(bt, dtype=torch.int32, device=dev))
                       for q0, n, ctx, bt in step.prefills],
+            layer_hook=layer_hook,
         )
         with set_attention_metadata(md):
             hidden = self.model(input_ids, positions, inputs_embeds)

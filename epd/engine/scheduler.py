@@ -133,8 +133,9 @@ class Scheduler:
             changed.append(seq)
         return changed
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        """End ``seq`` (any state) and free its blocks."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None, *, free: bool = True) -> None:
+        """End ``seq`` (any state) and free its blocks (``free=False``: the caller
+        frees them later with ``block_manager.free``, e.g. after sending its KV)."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -147,4 +148,5 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        self.block_manager.free(seq)
+        if free:
+            self.block_manager.free(seq)

@@ -8,6 +8,7 @@ layout; the model runner sets it for the duration of a forward pass with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -41,6 +42,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None
     decode_context_lens: torch.Tensor | None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Called with the layer index right after that layer's K/V is stored (the
+    # KV connector's worker-side seam: a prefill worker starts sending layer l
+    # while layers l+1.. compute).
+    layer_hook: Callable[[int], None] | None = None
 
 
 _METADATA: AttentionMetadata | None = None
@@ -70,11 +75,14 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.layer_idx = -1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = _METADATA
         assert md is not None, "attention called outside set_attention_metadata()"
         store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        if md.layer_hook is not None:
+            md.layer_hook(self.layer_idx)
         out = torch.empty_like(q)
         nd = md.num_decode_tokens
         if nd:

@@ -1,0 +1,1 @@
+"""HTTP API (OpenAI-compatible) served by the launcher's process."""

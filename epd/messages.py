@@ -1,0 +1,283 @@
+"""Every control-plane message between epd processes, in one module.
+
+ZeroMQ carries these as msgpack (msgspec) — never pickle. Each message is a
+tagged struct; ``encode`` / ``decode`` are the only (de)serialisers. Tensors
+travel as ``TensorBlob`` (dtype name, shape, raw bytes), checked on decode
+against an allow-list of dtypes and the byte count implied by the shape.
+Bulk data (embeddings, KV cache) never rides here: it moves over NIXL, and
+these messages carry only descriptor tables (``Region`` = addr, nbytes,
+device id) that the receiver validates against what the peer advertised.
+
+Flow (see DESIGN.md, "Request life cycle"):
+  router -> E: EncodeRequest            E -> router: EncodeDone
+  router -> D: ReserveKV (prompt, params) D -> router: KVReserved
+  router -> P: PrefillRequest           P -> router: PrefillDone ; P -> D (NIXL notif): KVReady
+  router -> PD: GenerateRequest (aggregated pool)
+  D/PD -> router: TokenOutput (stream)  any -> router: WorkerReady, Heartbeat, RequestFailed
+  router -> any: Abort, Shutdown
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import torch
+
+Region = tuple[int, int, int]  # (addr, nbytes, device_id) of registered memory
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+MAX_TENSOR_BYTES = 256 * 2**20
+
+
+class MessageError(ValueError):
+    """A message failed to decode or validate (the sender is buggy or hostile)."""
+
+
+class TensorBlob(msgspec.Struct, frozen=True):
+    """A tensor on the wire: ``dtype`` name, ``shape``, raw little-endian bytes."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> TensorBlob:
+        t = t.detach().contiguous().cpu()
+        if t.dtype not in _DTYPE_NAMES:
+            raise MessageError(f"dtype {t.dtype} cannot be sent")
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return cls(_DTYPE_NAMES[t.dtype], list(t.shape), raw)
+
+    def to_tensor(self) -> torch.Tensor:
+        """Raises MessageError when dtype, shape and byte count disagree."""
+        dtype = _DTYPES.get(self.dtype)
+        if dtype is None or any(d < 0 for d in self.shape):
+            raise MessageError(f"bad tensor header: dtype={self.dtype!r} shape={self.shape}")
+        elem = torch.tensor([], dtype=dtype).element_size()
+        expected = math.prod(self.shape) * elem
+        if expected != len(self.data) or expected > MAX_TENSOR_BYTES:
+            raise MessageError(f"tensor of shape {self.shape} ({self.dtype}) needs {expected} bytes, "
+                               f"got {len(self.data)} (limit {MAX_TENSOR_BYTES})")
+        buf = np.frombuffer(self.data, dtype=np.uint8).copy()
+        return torch.from_numpy(buf).view(dtype).reshape(self.shape)
+
+
+class WireSamplingParams(msgspec.Struct, frozen=True):
+    """``SamplingParams`` on the wire (stop strings stay in the API process)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class Placeholder(msgspec.Struct, frozen=True):
+    offset: int
+    length: int
+    item_hash: str
+
+
+# ---- worker lifecycle -------------------------------------------------------
+class KVLayout(msgspec.Struct, frozen=True):
+    """How a worker's paged KV cache lies in memory (per TP rank).
+
+    k and v caches: [num_layers, num_blocks, block_size, num_kv_heads, head_dim];
+    ``k_regions[l]`` / ``v_regions[l]`` cover layer l's [num_blocks, ...] slab.
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    k_regions: list[Region]
+    v_regions: list[Region]
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.tensor([], dtype=_DTYPES[self.dtype]).element_size()
+        return self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
+    role: str  # "encode" | "prefill" | "decode" | "pd"
+    instance_id: str
+    pid: int
+    cmd_endpoint: str  # where the worker's command socket is bound
+    nixl_metadata: bytes
+    regions: list[Region]  # memory peers may read/write (KV cache, embedding buffer)
+    kv_layout: KVLayout | None = None
+    startup_s: float = 0.0
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    instance_id: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+class PeerInfo(msgspec.Struct, tag="peer", frozen=True):
+    """Router -> worker: a peer's NIXL metadata and the regions it exposes."""
+
+    instance_id: str
+    nixl_metadata: bytes
+    regions: list[Region]
+    kv_layout: KVLayout | None = None
+
+
+# ---- encode -------------------------------------------------------------------
+class EncodeItem(msgspec.Struct, frozen=True):
+    item_hash: str
+    modality: str
+    tensors: dict[str, TensorBlob]
+    num_tokens: int
+
+
+class EncodeRequest(msgspec.Struct, tag="encode", frozen=True):
+    request_id: str
+    items: list[EncodeItem]
+
+
+class EmbeddingRef(msgspec.Struct, frozen=True):
+    """Where an item's embedding [num_tokens, hidden] lies in an E worker's buffer."""
+
+    item_hash: str
+    region: Region
+    shape: list[int]
+    dtype: str
+
+
+class EncodeDone(msgspec.Struct, tag="encode_done", frozen=True):
+    request_id: str
+    instance_id: str
+    embeddings: list[EmbeddingRef] = []
+    transcripts: list[str] = []
+    encode_s: float = 0.0
+    queue_s: float = 0.0
+
+
+# ---- prefill / decode -----------------------------------------------------------
+class ReserveKV(msgspec.Struct, tag="reserve", frozen=True):
+    """Router -> D: reserve blocks for the prompt's KV, and remember the request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: WireSamplingParams
+
+
+class KVReserved(msgspec.Struct, tag="reserved", frozen=True):
+    request_id: str
+    instance_id: str
+    block_ids: list[int]
+
+
+class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: WireSamplingParams
+    decode_instance: str
+    decode_block_ids: list[int]
+    placeholders: list[Placeholder] = []
+    encode_instance: str | None = None
+    embeddings: list[EmbeddingRef] = []
+
+
+class KVReady(msgspec.Struct, tag="kv_ready", frozen=True):
+    """P -> D NIXL notification: all KV of the request is in D's blocks."""
+
+    request_id: str
+    first_token: int
+
+
+class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
+    request_id: str
+    instance_id: str
+    first_token: int
+    num_cached_tokens: int
+    kv_bytes: int
+    kv_transfer_s: float
+    prefill_s: float
+    queue_s: float
+    num_transfer_requests: int
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
+    """Router -> PD worker (aggregated): the whole request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: WireSamplingParams
+    placeholders: list[Placeholder] = []
+    encode_instance: str | None = None
+    embeddings: list[EmbeddingRef] = []
+
+
+class TokenOutput(msgspec.Struct, tag="tokens", frozen=True):
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+class RequestFailed(msgspec.Struct, tag="failed", frozen=True):
+    request_id: str
+    instance_id: str
+    error: str
+    retryable: bool = False
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    request_id: str
+
+
+class ReleaseEmbeddings(msgspec.Struct, tag="release", frozen=True):
+    """P/PD -> E (NIXL notification after reading): the request's embeddings may go."""
+
+    request_id: str
+
+
+class StatsRequest(msgspec.Struct, tag="stats_request", frozen=True):
+    token: int
+
+
+class WorkerStats(msgspec.Struct, tag="stats", frozen=True):
+    instance_id: str
+    token: int
+    stats: dict[str, float]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    pass
+
+
+Message = (WorkerReady | Heartbeat | PeerInfo | EncodeRequest | EncodeDone | ReserveKV | KVReserved
+           | PrefillRequest | KVReady | PrefillDone | GenerateRequest | TokenOutput
+           | RequestFailed | Abort | ReleaseEmbeddings | StatsRequest | WorkerStats | Shutdown)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Raises MessageError for anything that is not one well-formed message."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise MessageError(f"malformed control message: {e}") from None

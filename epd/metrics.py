@@ -1,0 +1,295 @@
+"""Prometheus metrics of every epd process, aggregated with prometheus-client's multiprocess mode.
+
+Every process (API/router, each worker rank) writes its samples into mmap'ed files
+in one shared directory, ``$PROMETHEUS_MULTIPROC_DIR``; the API's ``/metrics``
+reads them all back with :func:`render_latest`. Order matters:
+
+1. the launcher calls :func:`setup_multiprocess_dir` before it starts any worker
+   (children inherit the environment variable) and before any metric object
+   exists in its own process;
+2. each process calls :func:`get_metrics` (lazy: the metric objects are created on
+   the first call, so they see the variable);
+3. the launcher calls :func:`mark_process_dead` for every worker it reaps, so that
+   live gauges of dead processes disappear (counters and histograms keep the dead
+   process's totals, as they should).
+
+Every metric has the labels ``pool`` ("encode", "prefill", "decode", "pd", or
+"router" for what the router observes about the request as a whole) and
+``instance`` (an instance id such as "decode-3"). Request-level latencies (TTFT,
+TPOT, ITL, e2e) carry the pool and instance that produced the tokens.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+
+__all__ = [
+    "LABELS", "LATENCY_BUCKETS", "TRANSFER_BUCKETS", "STEP_BUCKETS", "Metrics", "setup_multiprocess_dir",
+    "multiprocess_dir", "get_metrics", "mark_process_dead", "render_latest",
+]
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+LABELS = ("pool", "instance")
+
+#: seconds; request-level and per-stage latencies on CPU: 1 ms .. 60 s
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0)
+#: seconds; per-token / per-step times (TPOT, ITL, one decode step): 1 ms .. 10 s
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 2.0, 5.0, 10.0)
+#: seconds; NIXL transfers near memcpy speed: 50 us .. 10 s
+TRANSFER_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """All epd metric objects; use ``.labels(pool=..., instance=...)`` on each.
+
+    Histograms (seconds):
+        time_to_first_token: request arrival at the API to its first output token.
+        time_per_output_token: per request, (t_last - t_first) / (n_out - 1).
+        inter_token_latency: gap between two consecutive tokens streamed for a request.
+        e2e_request_latency: request arrival to its last token (or error).
+        encode_queue: encode request received by an E worker to its encode start.
+        encode: encoder forward for one encode request (all its items).
+        embedding_transfer: P pulling one request's embeddings from E over NIXL.
+        prefill_queue: prefill request received by a P worker to its first chunk.
+        prefill: a request's prefill compute, first chunk start to first token.
+        kv_transfer: P -> D KV transfer of one request, first write to last completion.
+        decode_queue: KV ready on D to the request joining the running batch.
+        decode_step: one decode engine step (the whole running batch).
+
+    Counters:
+        kv_transfer_bytes: bytes of KV cache moved P -> D (``epd_kv_transfer_bytes_total``).
+        kv_transfer_failures: KV transfers that failed or timed out.
+        kv_transfer_retries: KV transfers retried.
+        preemptions: sequences preempted (KV blocks freed, to be recomputed).
+        cancelled_requests: requests cancelled (client disconnect or abort).
+        migrated_requests: requests migrated off a dead or drained D worker.
+        prefix_cache_queries_tokens: prompt tokens looked up in the prefix cache.
+        prefix_cache_hits_tokens: of those, tokens whose KV was reused.
+        encoder_cache_queries: multimodal items looked up in the encoder (embedding) cache.
+        encoder_cache_hits: of those, items whose embedding was reused.
+
+    Gauges (``livemax``: the value of the instance's live processes, see below):
+        kv_cache_usage_ratio: used / total KV blocks of the instance, 0..1.
+        queue_depth: requests waiting in the instance's queue.
+        running_requests: requests in the instance's running batch.
+
+    Why ``livemax`` for every gauge: each (pool, instance) series is owned by one
+    instance, and the TP ranks of an instance run replicated schedulers, so they
+    report the same value; ``livesum`` would count it ``tp`` times, ``liveall`` adds
+    a ``pid`` label that dashboards must then fold away, and max of identical
+    values is that value whether rank 0 alone or every rank reports. ``live``:
+    a dead process's gauge file is dropped by :func:`mark_process_dead`, so a crashed
+    worker stops reporting stale queue depths and a restarted one (same instance
+    id, new pid) is not maxed against its predecessor's last value. Pool totals are
+    PromQL's job (``sum by (pool)``).
+    """
+
+    time_to_first_token: object
+    time_per_output_token: object
+    inter_token_latency: object
+    e2e_request_latency: object
+    encode_queue: object
+    encode: object
+    embedding_transfer: object
+    prefill_queue: object
+    prefill: object
+    kv_transfer: object
+    decode_queue: object
+    decode_step: object
+    kv_transfer_bytes: object
+    kv_transfer_failures: object
+    kv_transfer_retries: object
+    preemptions: object
+    cancelled_requests: object
+    migrated_requests: object
+    prefix_cache_queries_tokens: object
+    prefix_cache_hits_tokens: object
+    encoder_cache_queries: object
+    encoder_cache_hits: object
+    kv_cache_usage_ratio: object
+    queue_depth: object
+    running_requests: object
+
+
+# field -> (metric name, help, buckets)
+_HISTOGRAMS = {
+    "time_to_first_token": ("epd_time_to_first_token_seconds",
+                            "Time to first token: request arrival to first output token, seconds", LATENCY_BUCKETS),
+    "time_per_output_token": ("epd_time_per_output_token_seconds",
+                              "Time per output token of a request, (t_last - t_first) / (n_out - 1), seconds",
+                              STEP_BUCKETS),
+    "inter_token_latency": ("epd_inter_token_latency_seconds",
+                            "Gap between consecutive output tokens of a request, seconds", STEP_BUCKETS),
+    "e2e_request_latency": ("epd_e2e_request_latency_seconds",
+                            "Request arrival to last token, seconds", LATENCY_BUCKETS),
+    "encode_queue": ("epd_encode_queue_seconds", "Wait in an encode worker's queue, seconds", LATENCY_BUCKETS),
+    "encode": ("epd_encode_seconds", "Encoder forward of one encode request, seconds", LATENCY_BUCKETS),
+    "embedding_transfer": ("epd_embedding_transfer_seconds",
+                           "Embedding transfer E -> P of one request, seconds", TRANSFER_BUCKETS),
+    "prefill_queue": ("epd_prefill_queue_seconds", "Wait in a prefill worker's queue, seconds", LATENCY_BUCKETS),
+    "prefill": ("epd_prefill_seconds", "Prefill compute of one request, seconds", LATENCY_BUCKETS),
+    "kv_transfer": ("epd_kv_transfer_seconds", "KV cache transfer P -> D of one request, seconds",
+                    TRANSFER_BUCKETS),
+    "decode_queue": ("epd_decode_queue_seconds",
+                     "KV ready on a decode worker to joining its running batch, seconds", LATENCY_BUCKETS),
+    "decode_step": ("epd_decode_step_seconds", "One decode engine step, seconds", STEP_BUCKETS),
+}
+# field -> (metric name without _total, help); exposed as <name>_total
+_COUNTERS = {
+    "kv_transfer_bytes": ("epd_kv_transfer_bytes", "KV cache bytes transferred P -> D"),
+    "kv_transfer_failures": ("epd_kv_transfer_failures", "KV transfers that failed or timed out"),
+    "kv_transfer_retries": ("epd_kv_transfer_retries", "KV transfers retried"),
+    "preemptions": ("epd_preemptions", "Sequences preempted"),
+    "cancelled_requests": ("epd_cancelled_requests", "Requests cancelled"),
+    "migrated_requests": ("epd_migrated_requests", "Requests migrated to another decode worker"),
+    "prefix_cache_queries_tokens": ("epd_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits_tokens": ("epd_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache"),
+    "encoder_cache_queries": ("epd_encoder_cache_queries", "Multimodal items looked up in the encoder cache"),
+    "encoder_cache_hits": ("epd_encoder_cache_hits", "Multimodal items found in the encoder cache"),
+}
+# field -> (metric name, help, multiprocess_mode); see Metrics for the choice of mode
+_GAUGES = {
+    "kv_cache_usage_ratio": ("epd_kv_cache_usage_ratio", "Used / total KV cache blocks, 0..1", "livemax"),
+    "queue_depth": ("epd_queue_depth", "Requests waiting in the queue", "livemax"),
+    "running_requests": ("epd_running_requests", "Requests in the running batch", "livemax"),
+}
+
+_lock = threading.Lock()
+_metrics: Metrics | None = None
+_metrics_dir: str | None = None  # $PROMETHEUS_MULTIPROC_DIR when _metrics was built
+_registry = None  # own CollectorRegistry (single-process mode); never the global REGISTRY
+_owned_dirs: list[str] = []
+
+
+def multiprocess_dir() -> str | None:
+    """``$PROMETHEUS_MULTIPROC_DIR`` if set (multiprocess mode), else None."""
+    return os.environ.get(ENV) or None
+
+
+def _sync_value_class(new_dir: bool = False) -> None:
+    """prometheus_client picks its value class (mmap files or in-memory) when
+    ``prometheus_client.values`` is first imported; if it was imported before the
+    environment variable was set, switch it now (before any metric object exists).
+    ``new_dir``: the directory changed, so drop the class that caches open files."""
+    from prometheus_client import values
+
+    wants_mp = multiprocess_dir() is not None
+    is_mp = getattr(values.ValueClass, "_multiprocess", False)
+    if wants_mp and (not is_mp or new_dir):
+        values.ValueClass = values.get_value_class()
+    elif not wants_mp and is_mp:
+        values.ValueClass = values.MutexValue
+
+
+def setup_multiprocess_dir(path: str | os.PathLike | None = None) -> str:
+    """Create a fresh metrics directory and export it as ``$PROMETHEUS_MULTIPROC_DIR``.
+
+    Call once in the launcher, before any worker starts and before :func:`get_metrics`.
+    ``path=None`` makes a temporary directory (removed when this process exits); an
+    existing ``path`` has its ``*.db`` files from an earlier run deleted so that old
+    counters are not summed into the new ones.
+
+    Returns:
+        the directory's absolute path.
+
+    Raises:
+        RuntimeError: metric objects already exist in this process (call this first).
+    """
+    if _metrics is not None:
+        raise RuntimeError(
+            "epd.metrics.setup_multiprocess_dir() must be called before get_metrics() in this process "
+            f"(metrics already write to {_metrics_dir or 'memory'})")
+    if path is None:
+        d = tempfile.mkdtemp(prefix="epd-metrics-")
+        _owned_dirs.append(d)
+        if len(_owned_dirs) == 1:
+            atexit.register(_remove_owned_dirs)
+    else:
+        d = os.path.abspath(os.fspath(path))
+        os.makedirs(d, exist_ok=True)
+        for name in os.listdir(d):
+            if name.endswith(".db"):
+                os.remove(os.path.join(d, name))
+    with _lock:
+        changed = os.environ.get(ENV) != d
+        os.environ[ENV] = d
+        _sync_value_class(new_dir=changed)
+    return d
+
+
+def _remove_owned_dirs() -> None:
+    for d in _owned_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def get_metrics() -> Metrics:
+    """This process's metric objects, created on the first call (after the launcher has
+    set ``$PROMETHEUS_MULTIPROC_DIR``, which children inherit)."""
+    global _metrics, _metrics_dir, _registry
+    if _metrics is not None:
+        return _metrics
+    with _lock:
+        if _metrics is not None:
+            return _metrics
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        _sync_value_class()
+        _registry = CollectorRegistry(auto_describe=True)
+        objs: dict[str, object] = {}
+        for field, (name, doc, buckets) in _HISTOGRAMS.items():
+            objs[field] = Histogram(name, doc, LABELS, buckets=buckets, registry=_registry)
+        for field, (name, doc) in _COUNTERS.items():
+            objs[field] = Counter(name, doc, LABELS, registry=_registry)
+        for field, (name, doc, mode) in _GAUGES.items():
+            objs[field] = Gauge(name, doc, LABELS, multiprocess_mode=mode, registry=_registry)
+        _metrics_dir = multiprocess_dir()
+        _metrics = Metrics(**objs)
+        return _metrics
+
+
+def mark_process_dead(pid: int) -> None:
+    """Drop the live-gauge files of a dead process (no-op outside multiprocess mode).
+    The launcher calls it for every worker it reaps."""
+    d = multiprocess_dir()
+    if d is None or not os.path.isdir(d):
+        return
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, d)
+
+
+def render_latest() -> tuple[bytes, str]:
+    """Prometheus text exposition of every process's metrics, and its content type.
+
+    In multiprocess mode a fresh ``CollectorRegistry`` with a ``MultiProcessCollector``
+    merges all files of ``$PROMETHEUS_MULTIPROC_DIR`` (counters and histograms summed,
+    gauges by their mode). Without the variable it renders this process's metrics.
+    """
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    d = multiprocess_dir()
+    if d is not None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=d)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    get_metrics()
+    return generate_latest(_registry), CONTENT_TYPE_LATEST
+
+
+def _reset_for_tests() -> None:
+    """Forget this process's metric objects (tests that switch directories)."""
+    global _metrics, _metrics_dir, _registry
+    with _lock:
+        _metrics = _metrics_dir = _registry = None
+        _sync_value_class(new_dir=True)

@@ -1,0 +1,47 @@
+"""Aggregated (``pd``) worker: prefill and decode in one engine with chunked prefill — the baseline."""
+
+from __future__ import annotations
+
+import time
+
+from epd.errors import InvalidRequestError
+from epd.messages import GenerateRequest, Message, RequestFailed, TokenOutput
+from epd.transfer.nixl_transport import TransferError
+from epd.workers.engine_worker import EngineWorker, to_sampling_params
+
+
+class AggregatedWorker(EngineWorker):
+    """GenerateRequest -> (embeddings read from the encode worker) -> TokenOutput per token."""
+
+    role = "pd"
+
+    def __init__(self, args) -> None:
+        super().__init__(args)
+        self.announce(self.regions, self.kv_layout)
+
+    def handle_role(self, msg: Message) -> None:
+        if not isinstance(msg, GenerateRequest):
+            return super().handle_role(msg)
+        try:
+            embeddings = self.fetch_embeddings(msg.request_id, msg.encode_instance, list(msg.embeddings))
+            kw = {}
+            if msg.placeholders:
+                kw = {"mm_placeholders": self.placeholders(list(msg.placeholders)), "mm_embeddings": embeddings}
+            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), to_sampling_params(msg.params), **kw)
+        except (InvalidRequestError, ValueError, KeyError, TransferError) as e:
+            self.send(RequestFailed(msg.request_id, self.instance_id, str(e), retryable=isinstance(e, TransferError)))
+
+    def has_work(self) -> bool:
+        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+
+    def step(self) -> None:
+        t0 = time.monotonic()
+        outs = self.engine.step()
+        self.observe("decode_step", time.monotonic() - t0)
+        for out in outs:
+            comp = out.outputs[0]
+            self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,
+                                  out.num_cached_tokens))
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)

@@ -1,0 +1,189 @@
+"""The worker process loop shared by every role: commands in, engine steps, NIXL polls, heartbeats.
+
+A worker binds one ZeroMQ PULL socket for commands (loopback by default) and
+pushes everything it reports to the router's PULL socket. Messages are the
+typed structs of ``epd.messages`` (msgpack, never pickle). The loop is single
+threaded: drain commands, poll NIXL, run one engine step when there is work,
+send a heartbeat every ``HEARTBEAT_S``. SIGTERM/SIGINT end it cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from epd.messages import (Abort, Heartbeat, Message, MessageError, PeerInfo, Region, Shutdown, StatsRequest,
+                          WorkerReady, WorkerStats, decode, encode)
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.25
+
+
+@dataclass(slots=True)
+class WorkerArgs:
+    """What ``epd worker`` was started with."""
+
+    role: str
+    instance_id: str
+    router: str
+    model: str | None = None
+    rank: int = 0
+    tp: int = 1
+    threads: int | None = None
+    host: str = "127.0.0.1"
+    engine_kwargs: dict = field(default_factory=dict)
+    kv_timeout_s: float = 30.0
+    embedding_buffer_mb: int = 256
+
+
+class BaseWorker:
+    """Subclasses set up their engine, call ``announce`` and implement
+    ``handle_role`` / ``has_work`` / ``step`` / ``poll`` / ``abort`` / ``stats``."""
+
+    role = "base"
+
+    def __init__(self, args: WorkerArgs) -> None:
+        self.t0 = time.monotonic()
+        self.args = args
+        self.instance_id = args.instance_id
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.ctx = zmq.Context()
+        self.cmd = self.ctx.socket(zmq.PULL)
+        port = self.cmd.bind_to_random_port(f"tcp://{args.host}")
+        self.cmd_endpoint = f"tcp://{args.host}:{port}"
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 2000)
+        self.out.connect(args.router)
+        from epd.transfer.nixl_transport import NixlTransport
+
+        self.transport = NixlTransport(args.instance_id)
+        self.peers: dict[str, PeerInfo] = {}
+        self.running = True
+        from epd.metrics import get_metrics
+
+        self.metrics = get_metrics()
+        self.labels = {"pool": self.role, "instance": self.instance_id}
+        self._counted: dict[str, float] = {}
+
+    # ---- messaging --------------------------------------------------------------
+    def send(self, msg: Message) -> None:
+        self.out.send(encode(msg))
+
+    def announce(self, regions: list[Region], kv_layout=None) -> None:
+        self.send(WorkerReady(self.role, self.instance_id, os.getpid(), self.cmd_endpoint, self.transport.metadata(),
+                              regions, kv_layout, time.monotonic() - self.t0))
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, PeerInfo):
+            if msg.instance_id not in self.peers:
+                self.transport.add_peer(msg.nixl_metadata, msg.regions)
+            self.peers[msg.instance_id] = msg
+        elif isinstance(msg, Abort):
+            self.abort(msg.request_id)
+        elif isinstance(msg, Shutdown):
+            self.running = False
+        elif isinstance(msg, StatsRequest):
+            self.send(WorkerStats(self.instance_id, msg.token, self.stats()))
+        else:
+            self.handle_role(msg)
+
+    # ---- role hooks -----------------------------------------------------------------
+    def handle_role(self, msg: Message) -> None:
+        logger.warning("%s ignores %s", self.role, type(msg).__name__)
+
+    def has_work(self) -> bool:
+        return False
+
+    def step(self) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def observe(self, name: str, value: float) -> None:
+        """Histogram ``name`` of ``epd.metrics.Metrics``, labelled with this worker."""
+        getattr(self.metrics, name).labels(**self.labels).observe(value)
+
+    def count(self, name: str, value: float = 1.0) -> None:
+        if value > 0:
+            getattr(self.metrics, name).labels(**self.labels).inc(value)
+
+    def count_total(self, name: str, total: float) -> None:
+        """Advance counter ``name`` to a running ``total`` kept elsewhere (engine stats)."""
+        self.count(name, total - self._counted.get(name, 0.0))
+        self._counted[name] = total
+
+    def update_metrics(self, stats: dict[str, float]) -> None:
+        """Gauges and counters from engine stats, once per heartbeat."""
+        if "num_blocks" in stats:
+            m = self.metrics
+            m.kv_cache_usage_ratio.labels(**self.labels).set(stats.get("kv_cache_usage", 0.0))
+            m.queue_depth.labels(**self.labels).set(stats.get("num_waiting", 0))
+            m.running_requests.labels(**self.labels).set(stats.get("num_running", 0))
+            self.count_total("preemptions", stats.get("num_preemptions", 0))
+            self.count_total("prefix_cache_queries_tokens", stats.get("prefix_cache_queries", 0))
+            self.count_total("prefix_cache_hits_tokens", stats.get("prefix_cache_hits", 0))
+
+    def load(self) -> Heartbeat:
+        s = self.stats()
+        self.update_metrics(s)
+        return Heartbeat(self.instance_id, int(s.get("num_running", 0)), int(s.get("num_waiting", 0)),
+                         int(s.get("num_free_blocks", 0)), int(s.get("num_blocks", 0)))
+
+    # ---- loop -----------------------------------------------------------------------
+    def run(self) -> None:
+        def _stop(signum, frame):
+            self.running = False
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        last_hb = 0.0
+        try:
+            while self.running:
+                busy = self.has_work()
+                if self.cmd.poll(0 if busy else 2):
+                    self._drain()
+                self.poll()
+                if self.has_work():
+                    self.step()
+                now = time.monotonic()
+                if now - last_hb >= HEARTBEAT_S:
+                    self.send(self.load())
+                    last_hb = now
+        finally:
+            self.close()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = self.cmd.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(data)
+            except MessageError as e:
+                logger.warning("%s dropped a malformed command: %s", self.instance_id, e)
+                continue
+            self.handle(msg)
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        finally:
+            self.cmd.close(0)
+            self.out.close()
+            self.ctx.term()

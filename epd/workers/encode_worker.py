@@ -1,0 +1,97 @@
+"""Encode worker: towers (or the speech front end), embeddings held in a NIXL-registered buffer."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import AutoConfig
+
+from epd.encoders.encoder_runner import EncoderRunner
+from epd.encoders.processor import MediaItem
+from epd.messages import (EmbeddingRef, EncodeDone, EncodeRequest, Message, MessageError, ReleaseEmbeddings,
+                          RequestFailed, decode)
+from epd.model_files import resolve_model
+from epd.workers.base import BaseWorker
+from epd.workers.embedding_buffer import BufferFullError, EmbeddingBuffer
+
+logger = logging.getLogger(__name__)
+
+# Embeddings nobody read within this time are dropped (the reader died).
+EMBEDDING_TTL_S = 120.0
+
+
+class EncodeWorker(BaseWorker):
+    """EncodeRequest -> embeddings copied into the registered buffer -> EncodeDone
+    with their regions (or transcripts, for text-only LMs). The prefill worker
+    reads them and notifies ``ReleaseEmbeddings``; Abort and a TTL free them too."""
+
+    role = "encode"
+
+    def __init__(self, args) -> None:
+        super().__init__(args)
+        path = resolve_model(args.model)
+        self.runner = EncoderRunner(str(path), AutoConfig.from_pretrained(str(path)),
+                                    audio_mode=args.engine_kwargs.get("audio_mode", "auto"))
+        self.buffer = EmbeddingBuffer(args.embedding_buffer_mb * 2**20)
+        self.regions = self.transport.register([self.buffer.tensor])
+        self.num_encoded = 0
+        self.announce(self.regions)
+
+    def handle_role(self, msg: Message) -> None:
+        if not isinstance(msg, EncodeRequest):
+            return super().handle_role(msg)
+        t0 = time.monotonic()
+        rid = msg.request_id
+        try:
+            items = [MediaItem(it.modality, it.item_hash, {k: b.to_tensor() for k, b in it.tensors.items()},
+                               it.num_tokens) for it in msg.items]
+            if any("audio" in it.data for it in items):
+                self.send(EncodeDone(rid, self.instance_id, transcripts=self.runner.transcribe(items),
+                                     encode_s=time.monotonic() - t0))
+                return
+            embs = self.runner.encode(items)
+            refs = []
+            for it, emb in zip(items, embs):
+                emb = emb.contiguous()
+                raw = emb.view(-1).view(torch.uint8)
+                off = self.buffer.alloc(rid, raw.numel())
+                self.buffer.view(off, raw.numel()).copy_(raw)
+                refs.append(EmbeddingRef(it.item_hash, (self.buffer.addr + off, raw.numel(), 0), list(emb.shape),
+                                         str(emb.dtype).removeprefix("torch.")))
+            self.num_encoded += len(items)
+        except BufferFullError as e:
+            self.buffer.free(rid)
+            self.send(RequestFailed(rid, self.instance_id, str(e), retryable=True))
+            return
+        except (MessageError, ValueError, RuntimeError) as e:
+            self.buffer.free(rid)
+            self.send(RequestFailed(rid, self.instance_id, f"encode failed: {e}"))
+            return
+        self.observe("encode", time.monotonic() - t0)
+        self.send(EncodeDone(rid, self.instance_id, refs, encode_s=time.monotonic() - t0))
+
+    def poll(self) -> None:
+        for peer, notifs in self.transport.get_notifs().items():
+            for raw in notifs:
+                try:
+                    msg = decode(raw)
+                except MessageError:
+                    continue
+                if isinstance(msg, ReleaseEmbeddings):
+                    self.buffer.free(msg.request_id)
+        for owner in self.buffer.expire(EMBEDDING_TTL_S):
+            logger.warning("encode %s: embeddings of %s expired unread", self.instance_id, owner)
+
+    def abort(self, request_id: str) -> None:
+        self.buffer.free(request_id)
+
+    def update_metrics(self, stats: dict[str, float]) -> None:
+        self.count_total("encoder_cache_queries", stats["encoder_cache_hits"] + stats["encoder_cache_misses"])
+        self.count_total("encoder_cache_hits", stats["encoder_cache_hits"])
+
+    def stats(self) -> dict[str, float]:
+        c = self.runner.cache
+        return {"embedding_buffer_used_bytes": self.buffer.used_bytes, "num_held_requests": len(self.buffer.owners()),
+                "encoder_cache_hits": c.hits, "encoder_cache_misses": c.misses, "num_encoded": self.num_encoded}

@@ -1,0 +1,166 @@
+"""Prefill worker: chunked prefill, KV pushed layer by layer into the decode worker's blocks."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from epd.engine.scheduler import SchedulerOutput
+from epd.errors import InvalidRequestError
+from epd.messages import KVReady, Message, PrefillDone, PrefillRequest, RequestFailed, encode
+from epd.transfer.nixl_transport import Transfer, TransferError
+from epd.workers.engine_worker import EngineWorker, to_sampling_params
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Job:
+    req: PrefillRequest
+    arrival: float
+    start: float = 0.0
+    transfers: list[Transfer] = field(default_factory=list)
+    send_start: float = 0.0
+    first_token: int | None = None
+    num_cached_tokens: int = 0
+    prefill_s: float = 0.0
+    kv_bytes: int = 0
+
+
+class PrefillWorker(EngineWorker):
+    """Runs prompts to their first token and moves their KV to a decode worker.
+
+    During the step that completes a prompt, a per-layer hook issues one NIXL
+    write per layer (all of the sequence's blocks, K and V) as soon as that
+    layer's K/V is stored, so transfers overlap the remaining layers' compute.
+    The sequence's blocks are held until every write completes; then the
+    decode worker gets a ``KVReady`` notification (never before: decode never
+    runs on partial KV) and the router a ``PrefillDone``. A write that fails or
+    passes ``kv_timeout_s`` is released and reported as a retryable failure.
+    """
+
+    role = "prefill"
+
+    def __init__(self, args) -> None:
+        super().__init__(args)
+        self.engine.hold_finished_blocks = True
+        self.jobs: dict[str, _Job] = {}
+        self.announce(self.regions, self.kv_layout)
+
+    def handle_role(self, msg: Message) -> None:
+        if not isinstance(msg, PrefillRequest):
+            return super().handle_role(msg)
+        rid = msg.request_id
+        job = _Job(msg, time.monotonic())
+        try:
+            if msg.decode_instance not in self.peers:
+                raise InvalidRequestError(f"unknown decode instance {msg.decode_instance!r}")
+            embeddings = self.fetch_embeddings(rid, msg.encode_instance, list(msg.embeddings))
+            params = to_sampling_params(msg.params)
+            params.max_tokens = 1  # the first token; decode continues
+            params.ignore_eos = True
+            params.stop_token_ids = []
+            kw = {}
+            if msg.placeholders:
+                kw = {"mm_placeholders": self.placeholders(list(msg.placeholders)), "mm_embeddings": embeddings}
+            self.engine.add_request(rid, list(msg.prompt_token_ids), params, **kw)
+        except (InvalidRequestError, ValueError, KeyError, TransferError) as e:
+            self.send(RequestFailed(rid, self.instance_id, str(e), retryable=isinstance(e, TransferError)))
+            return
+        self.jobs[rid] = job
+
+    def has_work(self) -> bool:
+        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+
+    def _layer_hook(self, sched: SchedulerOutput):
+        finishing = [(s.seq, self.jobs[s.seq.request_id]) for s in sched.scheduled
+                     if s.sample and s.seq.request_id in self.jobs]
+        if not finishing:
+            return None
+        k_base = [r[0] for r in self.kv_layout.k_regions]
+        v_base = [r[0] for r in self.kv_layout.v_regions]
+        bb = self.block_bytes
+        plans = []
+        for seq, job in finishing:
+            d = self.peers[job.req.decode_instance].kv_layout
+            n = len(job.req.decode_block_ids)
+            src, dst = seq.block_table[:n], list(job.req.decode_block_ids)
+            plans.append((job, src, dst, d))
+            job.send_start = time.monotonic()
+
+        def hook(layer: int) -> None:
+            for job, src, dst, d in plans:
+                dk, dv = d.k_regions[layer][0], d.v_regions[layer][0]
+                local = [(k_base[layer] + b * bb, bb, 0) for b in src] + [(v_base[layer] + b * bb, bb, 0) for b in src]
+                remote = [(dk + b * bb, bb, 0) for b in dst] + [(dv + b * bb, bb, 0) for b in dst]
+                try:
+                    job.transfers.append(self.transport.write(job.req.decode_instance, local, remote))
+                except (TransferError, ValueError) as e:
+                    logger.warning("prefill %s: KV write for %s failed: %s", self.instance_id, job.req.request_id, e)
+                    job.transfers.append(None)  # type: ignore[arg-type]
+                job.kv_bytes += 2 * len(src) * bb
+
+        return hook
+
+    def step(self) -> None:
+        t0 = time.monotonic()
+        for rid, job in self.jobs.items():
+            if not job.start and self.engine.requests.get(rid) and self.engine.requests[rid].seq.num_computed_tokens:
+                job.start = t0
+        outs = self.engine.step(layer_hook_factory=self._layer_hook)
+        for out in outs:
+            job = self.jobs.get(out.request_id)
+            if job is None or not out.finished:
+                continue
+            job.first_token = out.outputs[0].token_ids[0]
+            job.num_cached_tokens = out.num_cached_tokens
+            job.prefill_s = time.monotonic() - (job.start or t0)
+        self._finish_sends()
+
+    def poll(self) -> None:
+        self._finish_sends()
+
+    def _finish_sends(self) -> None:
+        now = time.monotonic()
+        for rid, job in list(self.jobs.items()):
+            if job.first_token is None:
+                continue
+            try:
+                if any(t is None for t in job.transfers):
+                    raise TransferError(f"KV write to {job.req.decode_instance} could not be issued")
+                if not all(t.poll() for t in job.transfers):
+                    if now - job.send_start > self.args.kv_timeout_s:
+                        raise TransferError(f"KV write to {job.req.decode_instance} passed its "
+                                            f"{self.args.kv_timeout_s} s deadline")
+                    continue
+                self.transport.send_notif(job.req.decode_instance, encode(KVReady(rid, job.first_token)))
+            except TransferError as e:
+                self._drop(rid)
+                self.count("kv_transfer_failures")
+                self.send(RequestFailed(rid, self.instance_id, str(e), retryable=True))
+                continue
+            self._drop(rid)
+            self.observe("kv_transfer", now - job.send_start)
+            self.observe("prefill", job.prefill_s)
+            self.observe("prefill_queue", (job.start or now) - job.arrival)
+            self.count("kv_transfer_bytes", job.kv_bytes)
+            self.send(PrefillDone(rid, self.instance_id, job.first_token, job.num_cached_tokens, job.kv_bytes,
+                                  now - job.send_start, job.prefill_s, (job.start or now) - job.arrival,
+                                  len(job.transfers)))
+
+    def _drop(self, request_id: str) -> None:
+        job = self.jobs.pop(request_id, None)
+        if job is not None:
+            for t in job.transfers:
+                if t is not None:
+                    t.release()
+        self.engine.abort_request(request_id)  # frees held blocks too
+
+    def abort(self, request_id: str) -> None:
+        self._drop(request_id)
+
+    def stats(self) -> dict[str, float]:
+        s = super().stats()
+        s["num_sending"] = sum(1 for j in self.jobs.values() if j.first_token is not None)
+        return s

@@ -1,0 +1,84 @@
+"""Pool registry: which workers exist, their control sockets, liveness and load."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from epd.messages import Heartbeat, Message, WorkerReady, encode
+
+
+@dataclass
+class WorkerHandle:
+    """One worker instance as the router knows it."""
+
+    info: WorkerReady
+    socket: zmq.asyncio.Socket
+    last_seen: float = field(default_factory=time.monotonic)
+    load: Heartbeat | None = None
+    inflight: int = 0  # requests the router has routed here and not yet finished
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+    def send(self, msg: Message) -> None:
+        self.socket.send(encode(msg), zmq.NOBLOCK)
+
+
+class PoolRegistry:
+    """Workers by role; a worker is alive while heartbeats arrive within ``heartbeat_timeout_s``."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, heartbeat_timeout_s: float = 2.0) -> None:
+        self.ctx = ctx
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.workers: dict[str, WorkerHandle] = {}
+
+    def add(self, info: WorkerReady) -> WorkerHandle:
+        old = self.workers.pop(info.instance_id, None)
+        if old is not None:
+            old.socket.close(0)
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100000)
+        sock.connect(info.cmd_endpoint)
+        handle = WorkerHandle(info, sock)
+        self.workers[info.instance_id] = handle
+        return handle
+
+    def heartbeat(self, hb: Heartbeat) -> None:
+        w = self.workers.get(hb.instance_id)
+        if w is not None:
+            w.last_seen = time.monotonic()
+            w.load = hb
+
+    def seen(self, instance_id: str) -> None:
+        w = self.workers.get(instance_id)
+        if w is not None:
+            w.last_seen = time.monotonic()
+
+    def alive(self, role: str | None = None) -> list[WorkerHandle]:
+        now = time.monotonic()
+        return [w for w in self.workers.values()
+                if (role is None or w.role == role) and now - w.last_seen <= self.heartbeat_timeout_s]
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for w in self.alive():
+            out[w.role] = out.get(w.role, 0) + 1
+        return out
+
+    def get(self, instance_id: str) -> WorkerHandle | None:
+        return self.workers.get(instance_id)
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.socket.close(0)
+        self.workers.clear()

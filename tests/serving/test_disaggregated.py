@@ -1,0 +1,213 @@
+"""The disaggregated pipeline end to end: real `epd launch`, real workers, NIXL, the openai SDK.
+
+Reference outputs come from the offline engine (``LLM``), whose greedy tokens the
+engine/encoder tests prove equal to transformers ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+import re
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+
+from epd import LLM, SamplingParams
+from epd.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
+from tests.serving.conftest import launch
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+
+
+def _png(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _wav(seed: int, seconds: float = 1.0) -> bytes:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(16000 * seconds)) / 16000
+    x = (0.3 * np.sin(2 * np.pi * (220 + 50 * seed) * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, x, 16000, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def _data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return str(create_tiny_model("llava", tmp_path_factory.mktemp("srv") / "llava"))
+
+
+@pytest.fixture(scope="module")
+def audio_dir(tmp_path_factory):
+    return str(create_tiny_model("qwen2-audio", tmp_path_factory.mktemp("srv") / "qa"))
+
+
+TEXT_PROMPTS = [[5, 6, 7], list(range(10, 60)), [300, 301, 302, 303, 304] * 8]
+IMAGE_CASES = [(f"{IMAGE_TOKEN} What is this?", [0]), (f"Compare {IMAGE_TOKEN}{IMAGE_TOKEN} now", [1, 2])]
+
+
+def _chat_messages(text: str, images: list[bytes]) -> list[dict]:
+    """Content parts in the order the placeholders appear in ``text``."""
+    parts, rest = [], text
+    for png in images:
+        before, _, rest = rest.partition(IMAGE_TOKEN)
+        if before:
+            parts.append({"type": "text", "text": before})
+        parts.append({"type": "image_url", "image_url": {"url": _data_url(png)}})
+    if rest:
+        parts.append({"type": "text", "text": rest})
+    return [{"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def llava_expected(llava_dir):
+    llm = LLM(llava_dir)
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    text = [tok.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in llm.generate(TEXT_PROMPTS, params)]
+    images = []
+    for prompt, seeds in IMAGE_CASES:
+        rendered = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           tokenize=False)
+        ids = tok.encode(rendered, add_special_tokens=False)
+        out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [_png(s) for s in seeds]}},
+                           params)[0]
+        images.append(out.outputs[0].text)
+    llm.shutdown()
+    return text, images
+
+
+def _check_llava(server, llava_expected) -> None:
+    text_expected, image_expected = llava_expected
+    client = server.client()
+    for prompt, expected in zip(TEXT_PROMPTS, text_expected):
+        r = client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == expected
+    for (prompt, seeds), expected in zip(IMAGE_CASES, image_expected):
+        r = client.chat.completions.create(model=server.model, messages=_chat_messages(prompt, [_png(s) for s in seeds]),
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == expected
+    # Streaming gives the same text.
+    stream = client.chat.completions.create(model=server.model, messages=_chat_messages(*IMAGE_CASES[1][:1],
+                                                                                [_png(s) for s in IMAGE_CASES[1][1]]),
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == image_expected[1]
+
+
+@pytest.mark.parametrize("pools", ["e:1,p:1,d:1", "e:2,p:2,d:2", "e:1,pd:1"])
+def test_llava_parity_across_pools(pools, llava_dir, llava_expected):
+    with launch(llava_dir, pools, "--block-size", "8") as server:
+        _check_llava(server, llava_expected)
+
+
+def test_qwen2_audio_parity(audio_dir):
+    llm = LLM(audio_dir)
+    tok = llm.get_tokenizer()
+    wav = _wav(3)
+    rendered = tok.apply_chat_template([{"role": "user", "content": f"{AUDIO_TOKEN} What was said?"}],
+                                       add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(rendered, add_special_tokens=False)
+    expected = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"audio": [wav]}},
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text
+    llm.shutdown()
+    with launch(audio_dir, "e:1,p:1,d:1") as server:
+        r = server.client().chat.completions.create(
+            model=server.model, max_tokens=MAX_TOKENS, temperature=0,
+            messages=[{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+                {"type": "text", "text": " What was said?"}]}])
+        assert r.choices[0].message.content == expected
+
+
+def test_kv_bytes_moved_equal_request_kv_size(llava_dir):
+    """The KV really crosses processes through NIXL: the transfer metric counts
+    exactly the request's blocks (K and V, every layer)."""
+    with launch(llava_dir, "e:1,p:1,d:1", "--block-size", "8") as server:
+        prompt = list(range(20, 61))  # 41 tokens -> 6 blocks of 8
+        server.client().completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0)
+        metrics = httpx.get(server.url + "/metrics").text
+        moved = sum(float(v) for v in re.findall(r'^epd_kv_transfer_bytes_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M))
+        # tiny llama: 2 layers, 2 KV heads, head_dim 16, fp32; K and V.
+        assert moved == 2 * 2 * 6 * 8 * 2 * 16 * 4
+        assert "epd_kv_transfer_seconds_count" in metrics and "epd_prefill_seconds_count" in metrics
+
+
+def test_cancel_at_every_stage_leaks_nothing(llava_dir):
+    """100 streamed requests, a third cancelled at random points: every worker's
+    free-block count returns to its start value and the server still answers."""
+    with launch(llava_dir, "e:1,p:1,d:1", "--block-size", "8") as server:
+        before = server.workers()
+        rng = random.Random(0)
+
+        async def one(i: int, client: httpx.AsyncClient) -> str:
+            cancel_after = rng.uniform(0.0, 1.5) if i % 3 == 0 else None
+            body = {"messages": _chat_messages(f"{IMAGE_TOKEN} number {i}", [_png(i % 5)]) if i % 2 else
+                    [{"role": "user", "content": f"tell me about {i} " * (1 + i % 7)}],
+                    "max_tokens": 8 + i % 16, "temperature": 0, "stream": True}
+
+            async def consume() -> str:
+                async with client.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+                return "done"
+
+            if cancel_after is None:
+                return await consume()
+            try:
+                return await asyncio.wait_for(consume(), cancel_after)
+            except asyncio.TimeoutError:
+                return "cancelled"
+
+        async def run() -> list[str]:
+            limits = httpx.Limits(max_connections=16)
+            async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+                sem = asyncio.Semaphore(12)
+
+                async def guarded(i):
+                    async with sem:
+                        return await one(i, client)
+
+                return await asyncio.gather(*(guarded(i) for i in range(100)))
+
+        results = asyncio.run(run())
+        assert results.count("cancelled") >= 10
+        after = None
+        for _ in range(100):  # aborts are asynchronous: give the workers a moment
+            after = server.workers()
+            if all(after[k].get("num_free_blocks") == before[k].get("num_free_blocks") and
+                   after[k].get("num_held_requests", 0) == 0 and after[k].get("num_reserved", 0) == 0
+                   for k in before):
+                break
+            asyncio.run(asyncio.sleep(0.2))
+        for inst, stats in before.items():
+            assert after[inst].get("num_free_blocks") == stats.get("num_free_blocks"), (inst, after[inst])
+            assert after[inst].get("num_held_requests", 0) == 0, (inst, after[inst])
+            assert after[inst].get("num_reserved", 0) == 0 and after[inst].get("num_held", 0) == 0, after[inst]
+        r = server.client().completions.create(model=server.model, prompt=[5, 6, 7], max_tokens=4, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_smollm2_france_disaggregated_equals_aggregated(default_model_dir):
+    answers = []
+    for pools in ("e:1,p:1,d:1", "e:1,pd:1"):
+        with launch(None, pools) as server:
+            r = server.client().chat.completions.create(
+                model=server.model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=24, temperature=0)
+            answers.append(r.choices[0].message.content)
+    assert answers[0] == answers[1]
+    assert "Paris" in answers[0]
