@@ -203,12 +203,20 @@ class Router:
     def has_pool(self, role: str) -> bool:
         return any(w.role == role for w in self.registry.workers.values())
 
-    async def _expect(self, rid: str, types: tuple, timeout_s: float, stage: str):
+    async def _expect(self, rid: str, types: tuple, timeout_s: float, stage: str, stash: list | None = None):
+        """Next message of ``types`` for ``rid``. With ``stash``, TokenOutputs that
+        overtake it (D may stream before P's PrefillDone arrives) are kept there."""
         q = self.queues[rid]
-        try:
-            msg = await asyncio.wait_for(q.get(), timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestError(f"{stage} timed out after {timeout_s:.0f} s", status=504, retryable=True) from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = await asyncio.wait_for(q.get(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise RequestError(f"{stage} timed out after {timeout_s:.0f} s", status=504, retryable=True) from None
+            if stash is not None and isinstance(msg, TokenOutput):
+                stash.append(msg)
+                continue
+            break
         if isinstance(msg, RequestFailed):
             raise RequestError(f"{stage} failed on {msg.instance_id}: {msg.error}",
                                status=503 if msg.retryable else 400, retryable=msg.retryable)
@@ -303,10 +311,13 @@ class Router:
             try:
                 p.send(PrefillRequest(rid, req.prompt_token_ids, req.params, d.instance_id,
                                       list(reserved.block_ids), placeholders, e_id, refs))
-                done = await self._expect(rid, (PrefillDone,), self.stage_timeout_s, "prefill")
+                early: list[TokenOutput] = []
+                done = await self._expect(rid, (PrefillDone,), self.stage_timeout_s, "prefill", stash=early)
             finally:
                 p.inflight -= 1
             self._set_state(rid, RequestState.DECODE)
+            for msg in reversed(early):  # put the overtaking tokens back in front, in order
+                self._requeue_front(rid, msg)
             yield TokenEvent([done.first_token], False, None, done.num_cached_tokens)
             async for ev in self._stream(rid, first_timeout_s=self.token_timeout_s,
                                          num_cached_tokens=done.num_cached_tokens):
@@ -324,6 +335,14 @@ class Router:
                              msg.num_cached_tokens or num_cached_tokens)
             if msg.finished:
                 return
+
+    def _requeue_front(self, rid: str, msg) -> None:
+        q = self.queues[rid]
+        items = [msg]
+        while not q.empty():
+            items.append(q.get_nowait())
+        for it in items:
+            q.put_nowait(it)
 
     def _abort_everywhere(self, rid: str) -> None:
         for inst in self.touched.get(rid, ()):

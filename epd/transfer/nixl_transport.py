@@ -1,0 +1,593 @@
+"""One NIXL agent per worker process: register buffers once, move whole regions.
+
+Facts about nixl 1.5.1 that shape this module (read in its source and measured here,
+see tests/transfer/test_nixl_transport.py):
+
+- `nixl_agent.get_agent_metadata()` returns the C++ agent's own serialization
+  (`nixlSerDes`: a "nixlSerDes|" header, then tag / 8-byte length / value records:
+  agent name, UCX connection info, registered sections with their remote keys). It is
+  parsed by C++ `loadRemoteMD`, not by pickle, so it may cross a socket. Fuzzed here
+  (truncations, byte flips): loading raises `nixlMismatchError` /
+  `nixlInvalidParamError` / `nixlBackendError` / ..., never crashes. The metadata only
+  lists memory registered *before* it was taken: register first, then advertise.
+- `get_serialized_descs` / `deserialize_descs` are `pickle.dumps` / `pickle.loads`:
+  never used here. Descriptor tables travel as integer triples (addr, nbytes, dev)
+  and are rebuilt locally with `get_xfer_descs(ndarray Nx3, mem_type)`.
+- With no progress thread nothing completes unless *both* agents drive UCX: the
+  initiator through `check_xfer_state`, the target through `get_new_notifs`. A target
+  that is busy (or SIGSTOPped) leaves writes and reads into it at "PROC" forever;
+  NIXL has no timeout of its own, so every wait here has a deadline after which the
+  handle is released (which cancels it). `progress_thread_us` starts NIXL's UCX
+  progress thread with that sleep between sweeps (about 2-3 % of a core at 1000 us)
+  for a worker whose main loop cannot poll often (a decode worker mid-step).
+- A killed peer: `transfer()` / `check_xfer_state()` raise `nixlRemoteDisconnectError`
+  within a millisecond. After a request to a dead peer fails, the agent must be
+  driven once (`get_new_notifs`) before it is destroyed, or UCX aborts the process at
+  teardown (`Assertion ucs_arbiter_group_is_empty`); `remove_peer` and `close` do so.
+- `add_remote_agent` returns the peer name as *bytes*; `get_new_notifs` keys are str.
+- NIXL itself checks remote descriptors against the peer's registrations
+  (`nixlNotFoundError`), but a peer's registrations are not the caller's contract:
+  here every remote range must lie inside the regions the peer advertised on the
+  control plane, and every local range inside our own registrations, before NIXL is
+  called at all.
+
+Not thread-safe: one thread per transport (the optional progress thread is NIXL's own).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+Region = tuple[int, int, int]  # (addr, nbytes, device_id)
+
+_BACKEND = "UCX"
+_MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+# Addresses and lengths are kept in int64 with the device folded into the top bits of
+# a sort key: user-space (and CUDA UVA) addresses are far below 2**56.
+_ADDR_LIMIT = 1 << 56
+_MAX_DEVICE = 127
+_MAX_METADATA_BYTES = 16 << 20
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+/-]{0,127}")
+
+
+class TransferError(RuntimeError):
+    """A transfer (or a peer operation) failed: peer gone, NIXL error, closed transport."""
+
+
+class TransferTimeout(TransferError):
+    """The deadline passed; the transfer handle was released (cancelled)."""
+
+
+def _check_name(name: Any, what: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(f"{what} must match {_NAME_RE.pattern}, got {name!r}")
+    return name
+
+
+def _as_region_array(regions: Any, what: str) -> np.ndarray:
+    """Validate (addr, nbytes, dev) triples; return an int64 [N, 3] array (a copy)."""
+    if isinstance(regions, np.ndarray):
+        arr = regions
+    else:
+        try:
+            arr = np.asarray(regions)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ValueError(f"{what}: not a list of (addr, nbytes, dev) integers: {e}") from e
+    if arr.ndim != 2 or arr.shape[1] != 3 or arr.shape[0] == 0:
+        raise ValueError(f"{what}: expected a non-empty list of (addr, nbytes, dev), got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{what}: region fields must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u":
+        if (arr > _ADDR_LIMIT).any():
+            raise ValueError(f"{what}: address or length out of range")
+    arr = arr.astype(np.int64)
+    addr, nbytes, dev = arr[:, 0], arr[:, 1], arr[:, 2]
+    bad = (addr < 0) | (addr > _ADDR_LIMIT) | (nbytes <= 0) | (nbytes > _ADDR_LIMIT)
+    bad |= (dev < 0) | (dev > _MAX_DEVICE)
+    if not bad.any():
+        bad |= addr + nbytes > _ADDR_LIMIT
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{what}: invalid region #{i} {tuple(int(v) for v in arr[i])}")
+    return arr
+
+
+def _keys(arr: np.ndarray) -> np.ndarray:
+    return (arr[:, 2] << 56) | arr[:, 0]
+
+
+def _check_disjoint(arr: np.ndarray, what: str) -> None:
+    """Ranges on the same device must not overlap."""
+    if len(arr) < 2:
+        return
+    order = np.argsort(_keys(arr), kind="stable")
+    s = arr[order]
+    same_dev = s[1:, 2] == s[:-1, 2]
+    overlap = same_dev & (s[1:, 0] < s[:-1, 0] + s[:-1, 1])
+    if overlap.any():
+        i = int(np.flatnonzero(overlap)[0])
+        raise ValueError(
+            f"{what}: ranges {tuple(int(v) for v in s[i])} and {tuple(int(v) for v in s[i + 1])} overlap"
+        )
+
+
+class _RegionTable:
+    """Disjoint regions, searchable for 'is this range inside exactly one region'."""
+
+    def __init__(self, arr: np.ndarray, what: str):
+        _check_disjoint(arr, what)
+        order = np.argsort(_keys(arr), kind="stable")
+        self.arr = arr[order]
+        self.keys = _keys(self.arr)
+        self.ends = self.arr[:, 0] + self.arr[:, 1]
+
+    def locate(self, descs: np.ndarray, what: str) -> np.ndarray:
+        """Index of the region holding each descriptor; ValueError if any lies outside."""
+        idx = np.searchsorted(self.keys, _keys(descs), side="right") - 1
+        ok = idx >= 0
+        idx_c = np.maximum(idx, 0)
+        ok &= self.arr[idx_c, 2] == descs[:, 2]
+        ok &= descs[:, 0] + descs[:, 1] <= self.ends[idx_c]
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"{what} #{i} {tuple(int(v) for v in descs[i])} lies outside the allowed regions")
+        return idx
+
+
+def _coalesce(
+    local: np.ndarray, remote: np.ndarray, lidx: np.ndarray, ridx: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merge consecutive pairs that are adjacent on both sides and inside the same
+    registered/advertised region on both sides (pairs are first sorted by local addr)."""
+    if len(local) == 1:
+        return local, remote
+    order = np.lexsort((local[:, 0], local[:, 2]))
+    local, remote, lidx, ridx = local[order], remote[order], lidx[order], ridx[order]
+    join = (local[1:, 0] == local[:-1, 0] + local[:-1, 1]) & (remote[1:, 0] == remote[:-1, 0] + remote[:-1, 1])
+    join &= (lidx[1:] == lidx[:-1]) & (ridx[1:] == ridx[:-1])
+    if not join.any():
+        return local, remote
+    starts = np.flatnonzero(np.concatenate(([True], ~join)))
+    lengths = np.add.reduceat(local[:, 1], starts)
+    out_l, out_r = local[starts].copy(), remote[starts].copy()
+    out_l[:, 1] = lengths
+    out_r[:, 1] = lengths
+    return out_l, out_r
+
+
+def tensor_region(t: torch.Tensor) -> Region:
+    """(addr, nbytes, dev) of a contiguous tensor, with NIXL's device numbering (CPU = 0)."""
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    dev = t.get_device()
+    return (int(t.data_ptr()), int(t.numel() * t.element_size()), 0 if dev < 0 else int(dev))
+
+
+def block_regions(base: Region, block_nbytes: int, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Regions [N, 3] (int64) of blocks `block_ids` of a buffer laid out as
+    [num_blocks, block_nbytes] starting at `base`; ids are checked against the buffer."""
+    addr, nbytes, dev = base
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    if block_nbytes <= 0 or nbytes % block_nbytes:
+        raise ValueError(f"block size {block_nbytes} does not divide the region size {nbytes}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= nbytes // block_nbytes):
+        raise ValueError("block id out of range")
+    out = np.empty((len(ids), 3), dtype=np.int64)
+    out[:, 0] = addr + ids * block_nbytes
+    out[:, 1] = block_nbytes
+    out[:, 2] = dev
+    return out
+
+
+def _make_agent(name: str, progress_thread_us: int) -> Any:
+    from nixl import _api
+
+    config = _api.nixl_agent_config(
+        enable_prog_thread=progress_thread_us > 0,
+        enable_listen_thread=False,
+        backends=[_BACKEND],
+    )
+    if progress_thread_us <= 0:
+        return _api.nixl_agent(name, config)
+    # nixl_agent.__init__ hard-codes pthrDelay = 0 (the thread then spins on a core);
+    # hand it a bindings shim whose nixlAgent() applies our delay (microseconds).
+    real = getattr(_api, "nixlBind", None)
+    if real is None or not hasattr(real, "nixlAgent"):
+        raise TransferError("this nixl version does not allow setting the progress-thread delay")
+
+    class _Shim:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(real, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name: str, cfg: Any) -> Any:  # noqa: N802 (NIXL's name)
+            cfg.pthrDelay = int(progress_thread_us)
+            return real.nixlAgent(agent_name, cfg)
+
+    _api.nixlBind = _Shim()
+    try:
+        return _api.nixl_agent(name, config)
+    finally:
+        _api.nixlBind = real
+
+
+class _Peer:
+    __slots__ = ("name", "table", "mem_type")
+
+    def __init__(self, name: str, table: _RegionTable, mem_type: str):
+        self.name = name
+        self.table = table
+        self.mem_type = mem_type
+
+
+class Transfer:
+    """One posted READ or WRITE. Poll it, wait on it with a deadline, or release it."""
+
+    __slots__ = ("op", "peer", "nbytes", "num_descs", "_transport", "_handle", "_done", "__weakref__")
+
+    def __init__(self, transport: NixlTransport, handle: Any, op: str, peer: str, nbytes: int, num_descs: int):
+        self._transport = transport
+        self._handle = handle
+        self.op = op
+        self.peer = peer
+        self.nbytes = nbytes
+        self.num_descs = num_descs  # descriptors after coalescing
+        self._done = False
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else ("released" if self._handle is None else "in progress")
+        return f"Transfer({self.op} {self.peer}, {self.nbytes} B, {self.num_descs} descs, {state})"
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def released(self) -> bool:
+        """True once the NIXL handle is gone (after completion, failure, timeout or release())."""
+        return self._handle is None
+
+    def _what(self) -> str:
+        return f"{self.op} {'to' if self.op == 'WRITE' else 'from'} peer {self.peer!r} ({self.nbytes} B)"
+
+    def _complete(self) -> None:
+        self._done = True
+        self.release()
+        self._transport.bytes_moved += self.nbytes
+
+    def poll(self) -> bool:
+        """True when done; raises TransferError if the transfer failed or was released."""
+        if self._done:
+            return True
+        if self._handle is None:
+            raise TransferError(f"{self._what()}: released before completion")
+        agent = self._transport._agent
+        if agent is None:
+            self.release()
+            raise TransferError(f"{self._what()}: transport closed")
+        try:
+            state = agent.check_xfer_state(self._handle)
+        except Exception as e:
+            self.release()
+            raise TransferError(f"{self._what()} failed: {type(e).__name__}: {e}") from e
+        if state == "DONE":
+            self._complete()
+            return True
+        if state == "PROC":
+            return False
+        self.release()
+        raise TransferError(f"{self._what()} failed: NIXL state {state}")
+
+    def wait(self, timeout_s: float) -> None:
+        """Poll until done; past the deadline release the handle and raise TransferTimeout."""
+        deadline = time.monotonic() + timeout_s
+        delay = 50e-6
+        while not self.poll():
+            now = time.monotonic()
+            if now >= deadline:
+                self.release()
+                raise TransferTimeout(f"{self._what()} not done after {timeout_s:g} s; handle released")
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, 1e-3)
+
+    def release(self) -> None:
+        """Free the NIXL handle (cancels an unfinished transfer). Idempotent."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        self._transport._live.discard(self)
+        try:
+            handle.release()
+        except Exception as e:  # NIXL could not cancel it yet: retry later
+            logger.debug("release of %s deferred: %s", self._what(), e)
+            self._transport._zombies.append(handle)
+
+
+class NixlTransport:
+    """One NIXL agent per worker process (UCX backend; callers poll unless
+    `progress_thread_us` > 0 starts NIXL's progress thread with that sleep)."""
+
+    def __init__(self, name: str, *, device: str = "cpu", progress_thread_us: int = 0):
+        self.name = _check_name(name, "agent name")
+        if device not in _MEM_TYPES:
+            raise ValueError(f"device must be one of {sorted(_MEM_TYPES)}, got {device!r}")
+        self.device = device
+        self.mem_type = _MEM_TYPES[device]
+        self.num_requests = 0  # READ/WRITE requests posted
+        self.bytes_moved = 0  # bytes of requests that completed
+        self._tensors: list[torch.Tensor] = []
+        self._regs: list[Any] = []
+        self._local: _RegionTable | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._notifs: dict[str, list[bytes]] = {}
+        self._live: weakref.WeakSet[Transfer] = weakref.WeakSet()
+        self._zombies: list[Any] = []
+        self._metadata_taken = False
+        self._agent: Any = None
+        try:
+            agent = _make_agent(name, int(progress_thread_us))
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(f"agent {name!r}: NIXL agent creation failed: {type(e).__name__}: {e}") from e
+        if _BACKEND not in agent.backends:
+            raise TransferError(f"agent {name!r}: NIXL {_BACKEND} backend unavailable")
+        self._agent = agent
+
+    def __repr__(self) -> str:
+        return f"NixlTransport({self.name!r}, {self.device}, peers={sorted(self._peers)})"
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _require_open(self, what: str) -> Any:
+        if self._agent is None:
+            raise TransferError(f"agent {self.name!r}: {what} on a closed transport")
+        return self._agent
+
+    # -- memory -------------------------------------------------------------------------
+
+    def register(self, tensors: list[torch.Tensor]) -> list[Region]:
+        """Register contiguous tensors (kept alive until close); returns their regions.
+        Take `metadata()` after the last register(): it lists only what was registered."""
+        agent = self._require_open("register")
+        if isinstance(tensors, torch.Tensor) or not tensors:
+            raise ValueError("register() takes a non-empty list of tensors")
+        want = "cuda" if self.device == "cuda" else "cpu"
+        first_dev = tensors[0].device if isinstance(tensors[0], torch.Tensor) else None
+        regions = []
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"register() takes tensors, got {type(t).__name__}")
+            if t.device.type != want or t.device != first_dev:
+                raise ValueError(f"tensors must all be on one {want} device, got {t.device}")
+            if not t.is_contiguous() or t.numel() == 0:
+                raise ValueError("tensors must be contiguous and non-empty")
+            regions.append(tensor_region(t))
+        arr = _as_region_array(regions, "register")
+        merged = arr if self._local is None else np.concatenate([self._local.arr, arr])
+        table = _RegionTable(merged, "register (regions overlap an existing registration)")
+        try:
+            reg = agent.register_memory(list(tensors), mem_type=self.mem_type, backends=[_BACKEND])
+        except Exception as e:
+            raise TransferError(f"agent {self.name!r}: register_memory failed: {type(e).__name__}: {e}") from e
+        self._regs.append(reg)
+        self._tensors.extend(tensors)
+        self._local = table
+        if self._metadata_taken:
+            logger.warning("%s: memory registered after metadata() was taken; peers must reload it", self.name)
+        return regions
+
+    def metadata(self) -> bytes:
+        """This agent's metadata for peers (nixlSerDes bytes, not pickle)."""
+        agent = self._require_open("metadata")
+        self._metadata_taken = True
+        return bytes(agent.get_agent_metadata())
+
+    # -- peers --------------------------------------------------------------------------
+
+    def add_peer(self, metadata: bytes, regions: list[Region], *, device: str | None = None) -> str:
+        """Load a peer's metadata; remember the regions it advertised (the only ranges
+        write/read will touch on it). Returns the peer's agent name."""
+        agent = self._require_open("add_peer")
+        if not isinstance(metadata, (bytes, bytearray, memoryview)):
+            raise TypeError(f"metadata must be bytes, got {type(metadata).__name__}")
+        metadata = bytes(metadata)
+        mem_type = self.mem_type if device is None else _MEM_TYPES.get(device)
+        if mem_type is None:
+            raise ValueError(f"device must be one of {sorted(_MEM_TYPES)}, got {device!r}")
+        table = _RegionTable(_as_region_array(regions, "peer regions"), "peer regions")
+        if not metadata or len(metadata) > _MAX_METADATA_BYTES:
+            raise TransferError(f"agent {self.name!r}: add_peer: metadata of {len(metadata)} bytes rejected")
+        try:
+            raw = agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise TransferError(
+                f"agent {self.name!r}: add_peer: malformed or unusable metadata ({type(e).__name__}: {e})"
+            ) from e
+        raw_bytes = raw if isinstance(raw, bytes) else str(raw).encode()
+        try:
+            name = _check_name(raw_bytes.decode("utf-8"), "peer name")
+        except (UnicodeDecodeError, ValueError) as e:
+            try:
+                agent.remove_remote_agent(raw_bytes)
+            except Exception:
+                pass
+            raise TransferError(f"agent {self.name!r}: add_peer: bad peer name {raw_bytes[:64]!r}") from e
+        if name in self._peers:  # a restarted peer under the same name: start afresh
+            self.remove_peer(name)
+            try:
+                agent.add_remote_agent(metadata)
+            except Exception as e:
+                raise TransferError(f"agent {self.name!r}: add_peer {name!r} failed: {type(e).__name__}: {e}") from e
+        self._peers[name] = _Peer(name, table, mem_type)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer: release its transfers, disconnect. Unknown peers are ignored."""
+        if self._agent is None or peer not in self._peers:
+            return
+        for t in list(self._live):
+            if t.peer == peer:
+                t.release()
+        self._progress_quietly()  # see module docstring: UCX must see the error first
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as e:
+            logger.warning("%s: remove_remote_agent(%s) failed: %s", self.name, peer, e)
+        del self._peers[peer]
+
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self._peers)
+
+    # -- transfers ----------------------------------------------------------------------
+
+    def write(self, peer: str, local: list[Region], remote: list[Region], notif: bytes = b"") -> Transfer:
+        """Post a WRITE of local[i] into remote[i] on `peer`; `notif` reaches the peer
+        after the data. Raises ValueError (nothing sent) for bad ranges."""
+        return self._post("WRITE", peer, local, remote, notif)
+
+    def read(self, peer: str, local: list[Region], remote: list[Region], notif: bytes = b"") -> Transfer:
+        """Post a READ of remote[i] on `peer` into local[i]; `notif` reaches the peer
+        after the data. Raises ValueError (nothing sent) for bad ranges."""
+        return self._post("READ", peer, local, remote, notif)
+
+    def _post(self, op: str, peer: str, local: Any, remote: Any, notif: bytes) -> Transfer:
+        agent = self._require_open(op)
+        if not isinstance(notif, bytes):
+            raise TypeError(f"notif must be bytes, got {type(notif).__name__}")
+        p = self._peers.get(peer)
+        if p is None:
+            raise TransferError(f"agent {self.name!r}: {op} to unknown peer {peer!r}")
+        if self._local is None:
+            raise ValueError(f"{op}: no local memory registered")
+        ldesc = _as_region_array(local, f"{op} local")
+        rdesc = _as_region_array(remote, f"{op} remote")
+        if len(ldesc) != len(rdesc):
+            raise ValueError(f"{op}: {len(ldesc)} local regions vs {len(rdesc)} remote regions")
+        mismatch = ldesc[:, 1] != rdesc[:, 1]
+        if mismatch.any():
+            i = int(np.flatnonzero(mismatch)[0])
+            raise ValueError(f"{op}: length mismatch at #{i}: local {int(ldesc[i, 1])} vs remote {int(rdesc[i, 1])}")
+        lidx = self._local.locate(ldesc, f"{op} local region (not inside this agent's registrations)")
+        ridx = p.table.locate(rdesc, f"{op} remote region (not inside what peer {peer!r} advertised)")
+        _check_disjoint(rdesc if op == "WRITE" else ldesc, f"{op} destination")
+        nbytes = int(ldesc[:, 1].sum())
+        ldesc, rdesc = _coalesce(ldesc, rdesc, lidx, ridx)
+        try:
+            lx = agent.get_xfer_descs(ldesc.astype(np.uint64), self.mem_type)
+            rx = agent.get_xfer_descs(rdesc.astype(np.uint64), p.mem_type)
+            if lx is None or rx is None:
+                raise TransferError("descriptor list construction failed")
+            handle = agent.initialize_xfer(op, lx, rx, peer, notif, backends=[_BACKEND])
+        except Exception as e:
+            raise TransferError(f"{op} {'to' if op == 'WRITE' else 'from'} peer {peer!r}: "
+                                f"{type(e).__name__}: {e}") from e
+        t = Transfer(self, handle, op, peer, nbytes, len(ldesc))
+        self.num_requests += 1
+        try:
+            state = agent.transfer(handle)
+        except Exception as e:
+            t.release()
+            raise TransferError(f"{t._what()} failed to post: {type(e).__name__}: {e}") from e
+        if state == "DONE":
+            t._complete()
+        elif state == "PROC":
+            self._live.add(t)
+        else:
+            t.release()
+            raise TransferError(f"{t._what()} failed to post: NIXL state {state}")
+        return t
+
+    # -- notifications ------------------------------------------------------------------
+
+    def _progress(self) -> None:
+        new = self._agent.get_new_notifs()
+        for src, msgs in new.items():
+            key = src.decode("utf-8", "replace") if isinstance(src, bytes) else str(src)
+            self._notifs.setdefault(key, []).extend(bytes(m) for m in msgs)
+        if self._zombies:
+            still = []
+            for h in self._zombies:
+                try:
+                    h.release()
+                except Exception:
+                    still.append(h)
+            self._zombies = still
+
+    def _progress_quietly(self) -> None:
+        try:
+            self._progress()
+        except Exception as e:
+            logger.debug("%s: progress failed: %s", self.name, e)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications {peer name: [msg, ...]} since the last call. Also drives UCX
+        progress: a process that is the *target* of transfers must call this often."""
+        self._require_open("get_notifs")
+        try:
+            self._progress()
+        except Exception as e:
+            raise TransferError(f"agent {self.name!r}: get_notifs failed: {type(e).__name__}: {e}") from e
+        out, self._notifs = self._notifs, {}
+        return out
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        agent = self._require_open("send_notif")
+        if not isinstance(msg, bytes):
+            raise TypeError(f"msg must be bytes, got {type(msg).__name__}")
+        if peer not in self._peers:
+            raise TransferError(f"agent {self.name!r}: send_notif to unknown peer {peer!r}")
+        try:
+            agent.send_notif(peer, msg)
+        except Exception as e:
+            raise TransferError(f"send_notif to peer {peer!r} failed: {type(e).__name__}: {e}") from e
+
+    # -- teardown -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release transfers, disconnect peers, deregister memory, drop the agent. Idempotent."""
+        agent = self._agent
+        if agent is None:
+            return
+        for t in list(self._live):
+            t.release()
+        self._progress_quietly()
+        for peer in list(self._peers):
+            try:
+                agent.remove_remote_agent(peer)
+            except Exception as e:
+                logger.debug("%s: remove_remote_agent(%s) at close: %s", self.name, peer, e)
+        self._peers.clear()
+        for reg in self._regs:
+            try:
+                agent.deregister_memory(reg, backends=[_BACKEND])
+            except Exception as e:
+                logger.debug("%s: deregister_memory at close: %s", self.name, e)
+        self._progress_quietly()
+        self._regs.clear()
+        self._tensors.clear()
+        self._local = None
+        self._zombies.clear()
+        self._notifs.clear()
+        self._agent = None
