@@ -211,6 +211,7 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     prefill_s: float
     queue_s: float
     num_transfer_requests: int
+    kv_exposed_s: float = 0.0  # transfer time left after the prefill forward ended (not hidden by compute)
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):

@@ -50,7 +50,7 @@ async def serve(plan, model_dir: Path, args, t0: float, worker_args: list[str]) 
         max_model_len = args.max_model_len or text_cfg.max_position_embeddings
         model_name = args.model or "SmolLM2-135M-Instruct"
         app = build_app(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
-                        metrics_render=metrics.render_latest)
+                        metrics_render=metrics.render_latest, metrics=metrics.get_metrics())
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
         server = uvicorn.Server(config)
         pools = ",".join(f"{p.role}:{p.devices}" for p in plan)

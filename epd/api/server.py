@@ -75,9 +75,45 @@ class _BadRequest(Exception):
         self.param, self.status = param, status
 
 
+class _RequestTimer:
+    """Records TTFT, ITL, TPOT and end-to-end latency of one request (API view),
+    and counts it as cancelled when it ends before its last token (client gone)."""
+
+    def __init__(self, metrics) -> None:
+        self.m = metrics
+        self.labels = {"pool": "api", "instance": "api"}
+        self.arrival = time.monotonic()
+        self.first = self.last = None
+        self.n = 0
+        self.finished = False  # reached its end: last token, or a stop string
+
+    def on_tokens(self, count: int) -> None:
+        if not count or self.m is None:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.m.time_to_first_token.labels(**self.labels).observe(now - self.arrival)
+        else:
+            self.m.inter_token_latency.labels(**self.labels).observe(now - self.last)
+        self.last = now
+        self.n += count
+
+    def close(self) -> None:
+        if self.m is None:
+            return
+        if self.last is not None:
+            self.m.e2e_request_latency.labels(**self.labels).observe(self.last - self.arrival)
+            if self.n > 1:
+                self.m.time_per_output_token.labels(**self.labels).observe((self.last - self.first) / (self.n - 1))
+        if not self.finished:
+            self.m.cancelled_requests.labels(**self.labels).inc()
+
+
 def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, model_name: str,
-              max_model_len: int, default_max_tokens: int = 256, metrics_render=None) -> FastAPI:
-    """The FastAPI app. ``metrics_render() -> (bytes, content_type)`` serves /metrics."""
+              max_model_len: int, default_max_tokens: int = 256, metrics_render=None, metrics=None) -> FastAPI:
+    """The FastAPI app. ``metrics_render() -> (bytes, content_type)`` serves /metrics;
+    ``metrics`` (``epd.metrics.Metrics``) records per-request latencies."""
     app = FastAPI(title="epd", version="0.1.0")
     ids = itertools.count()
     created = int(time.time())
@@ -171,17 +207,22 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
         if not body.stream:
             reason = None
             gen = router.generate(req)
+            timer = _RequestTimer(metrics)
             try:
                 async for ev in gen:
+                    timer.on_tokens(len(ev.token_ids))
                     usage["completion_tokens"] += len(ev.token_ids)
                     usage["prompt_tokens_details"]["cached_tokens"] = min(ev.num_cached_tokens, usage["prompt_tokens"])
                     if detok.update(ev.token_ids) is not None:
                         reason = "stop"
+                        timer.finished = True
                         break
                     if ev.finished:
                         reason = ev.finish_reason
+                        timer.finished = True
             finally:
                 await gen.aclose()
+                timer.close()
             text = detok.get_next_output_text(True, delta=False)
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
@@ -205,12 +246,15 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             if chat:
                 yield chunk(None, None, role=True)
             gen = router.generate(req)
+            timer = _RequestTimer(metrics)
             reason = None
             try:
                 async for ev in gen:
+                    timer.on_tokens(len(ev.token_ids))
                     usage["completion_tokens"] += len(ev.token_ids)
                     hit = detok.update(ev.token_ids) is not None
                     done = hit or ev.finished
+                    timer.finished = done
                     delta = detok.get_next_output_text(done, delta=True)
                     if delta:
                         yield chunk(delta, None)
@@ -223,6 +267,7 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
                 return
             finally:
                 await gen.aclose()
+                timer.close()
             yield chunk(None, reason)
             yield "data: [DONE]\n\n"
 

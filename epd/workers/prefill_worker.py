@@ -26,6 +26,7 @@ class _Job:
     num_cached_tokens: int = 0
     prefill_s: float = 0.0
     kv_bytes: int = 0
+    forward_end: float = 0.0
 
 
 class PrefillWorker(EngineWorker):
@@ -115,7 +116,8 @@ class PrefillWorker(EngineWorker):
                 continue
             job.first_token = out.outputs[0].token_ids[0]
             job.num_cached_tokens = out.num_cached_tokens
-            job.prefill_s = time.monotonic() - (job.start or t0)
+            job.forward_end = time.monotonic()
+            job.prefill_s = job.forward_end - (job.start or t0)
         self._finish_sends()
 
     def poll(self) -> None:
@@ -147,7 +149,7 @@ class PrefillWorker(EngineWorker):
             self.count("kv_transfer_bytes", job.kv_bytes)
             self.send(PrefillDone(rid, self.instance_id, job.first_token, job.num_cached_tokens, job.kv_bytes,
                                   now - job.send_start, job.prefill_s, (job.start or now) - job.arrival,
-                                  len(job.transfers)))
+                                  len(job.transfers), max(0.0, now - job.forward_end)))
 
     def _drop(self, request_id: str) -> None:
         job = self.jobs.pop(request_id, None)

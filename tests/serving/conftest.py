@@ -48,11 +48,13 @@ class Server:
 
 
 @contextlib.contextmanager
-def launch(model: str | None, pools: str, *extra: str, timeout_s: float = 400.0):
+def launch(model: str | None, pools: str | None, *extra: str, timeout_s: float = 400.0):
     """Run `epd launch` until it prints that it serves; stop it (SIGINT) afterwards
     and check that no worker process outlives it."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "epd.cli", "launch", "--pools", pools, "--port", str(port), *extra]
+    cmd = [sys.executable, "-m", "epd.cli", "launch", "--port", str(port), *extra]
+    if pools is not None:
+        cmd += ["--pools", pools]
     if model is not None:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

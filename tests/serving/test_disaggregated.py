@@ -143,7 +143,10 @@ def test_kv_bytes_moved_equal_request_kv_size(llava_dir):
         moved = sum(float(v) for v in re.findall(r'^epd_kv_transfer_bytes_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M))
         # tiny llama: 2 layers, 2 KV heads, head_dim 16, fp32; K and V.
         assert moved == 2 * 2 * 6 * 8 * 2 * 16 * 4
-        assert "epd_kv_transfer_seconds_count" in metrics and "epd_prefill_seconds_count" in metrics
+        for name in ("epd_kv_transfer_seconds_count", "epd_prefill_seconds_count", "epd_decode_step_seconds_count",
+                     "epd_time_to_first_token_seconds_count", "epd_e2e_request_latency_seconds_count",
+                     "epd_kv_cache_usage_ratio", "epd_prefill_queue_seconds_count"):
+            assert re.search(rf"^{name}\{{[^}}]*\}} [0-9.e+]+$", metrics, re.M), name
 
 
 def test_cancel_at_every_stage_leaks_nothing(llava_dir):
@@ -207,11 +210,14 @@ def test_cancel_at_every_stage_leaks_nothing(llava_dir):
             assert after[inst].get("num_reserved", 0) == 0 and after[inst].get("num_held", 0) == 0, after[inst]
         r = server.client().completions.create(model=server.model, prompt=[5, 6, 7], max_tokens=4, temperature=0)
         assert r.choices[0].finish_reason in ("length", "stop")
+        metrics = httpx.get(server.url + "/metrics").text
+        cancelled = re.search(r'^epd_cancelled_requests_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M)
+        assert cancelled and float(cancelled.group(1)) == 34
 
 
 def test_smollm2_france_disaggregated_equals_aggregated(default_model_dir):
     answers = []
-    for pools in ("e:1,p:1,d:1", "e:1,pd:1"):
+    for pools in (None, "e:1,pd:1"):  # no flags: the default e:1,p:1,d:1
         with launch(None, pools) as server:
             r = server.client().chat.completions.create(
                 model=server.model, messages=[{"role": "user", "content": "What is the capital of France?"}],

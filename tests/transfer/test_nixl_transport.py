@@ -255,28 +255,30 @@ def test_malformed_metadata(peer_a, side_b):
 
 
 def test_busy_target_needs_progress(peer_a, side_b):
-    """Without a progress thread a target that does not poll blocks transfers into it;
-    NIXL's progress thread (progress_thread_us) completes them while the target computes."""
+    """A target that does not drive NIXL (busy computing, no progress thread) cannot
+    complete a new connection: transfers into it wait. NIXL's progress thread
+    (progress_thread_us) completes them while the target's main thread computes."""
     b, _, regions = side_b
-    pt = b.add_peer(peer_a.info["pt_metadata"], [peer_a.info["pt_regions"]["kv"]])
-    try:
-        one_src = kv_blocks(regions["src"], [0])
-        # Warm both connections first.
-        b.write("a", one_src, kv_blocks(peer_a.info["regions"]["kv"], [0])).wait(10)
-        b.write(pt, one_src, kv_blocks(peer_a.info["pt_regions"]["kv"], [0])).wait(10)
+    one_src = kv_blocks(regions["src"], [0])
+    with NixlTransport("b-busy") as fresh:
+        (fresh_src,) = fresh.register([torch.ones(BLOCK // 4)])
         peer_a.send("busy", 1.5)
         time.sleep(0.1)
-        stuck = b.write("a", one_src, kv_blocks(peer_a.info["regions"]["kv"], [1]), b"late")
-        t0 = time.monotonic()
-        b.write(pt, one_src, kv_blocks(peer_a.info["pt_regions"]["kv"], [1]), b"pt").wait(1.0)
-        assert time.monotonic() - t0 < 1.0
-        time.sleep(0.2)
-        assert not stuck.poll()  # A is still sleeping: nothing drives its UCX worker
-        assert peer_a._recv(10) is True  # busy over; A polls again
+        try:
+            # New connections made while A sleeps: to A's plain agent and to its -pt agent.
+            fresh.add_peer(peer_a.info["metadata"], [peer_a.info["regions"]["kv"]])
+            stuck = fresh.write("a", [fresh_src], kv_blocks(peer_a.info["regions"]["kv"], [1]), b"late")
+            pt = b.add_peer(peer_a.info["pt_metadata"], [peer_a.info["pt_regions"]["kv"]])
+            t0 = time.monotonic()
+            b.write(pt, one_src, kv_blocks(peer_a.info["pt_regions"]["kv"], [1]), b"pt").wait(1.0)
+            assert time.monotonic() - t0 < 1.0
+            time.sleep(0.2)
+            assert not stuck.poll()  # A is still asleep: nothing answers the handshake
+        finally:
+            assert peer_a._recv(10) is True  # busy over; A polls again
         stuck.wait(10)
-        assert peer_a.call("wait_notif", "b", b"late", 10.0)
+        assert peer_a.call("wait_notif", "b-busy", b"late", 10.0)
         assert peer_a.call("pt_notifs").get("b") == [b"pt"]
-    finally:
         b.remove_peer(pt)
 
 
@@ -304,6 +306,10 @@ def test_sigstopped_peer_times_out(peer_a):
         t.wait(10)
         assert peer_a.call("wait_notif", "b-stop", b"resumed", 10.0)
         assert b2.bytes_moved == BLOCK and b2.num_requests == 2
+        # Re-adding a known peer (e.g. after it restarted) replaces it cleanly.
+        assert b2.add_peer(peer_a.info["metadata"], [peer_a.info["regions"]["kv"]]) == "a"
+        b2.write("a", [src_region], kv_blocks(peer_a.info["regions"]["kv"], [9])).wait(10)
+        assert b2.peers == ["a"]
 
 
 def test_sigkilled_peer_raises():
@@ -315,13 +321,13 @@ def test_sigkilled_peer_raises():
             (sw,) = warm.register([src])
             (sc,) = cold.register([src.clone()])
             warm.add_peer(victim.info["metadata"], [kv_v])
-            warm.write("victim", [sw], kv_blocks(kv_v, range(4)), b"warm").wait(10)
+            warm.write("victim", kv_blocks(sw, range(4)), kv_blocks(kv_v, range(4)), b"warm").wait(10)
             assert victim.call("wait_notif", "b-kill", b"warm", 10.0)
 
             os.kill(victim.proc.pid, signal.SIGSTOP)
             cold.add_peer(victim.info["metadata"], [kv_v])  # connection never completes
-            in_flight_cold = cold.write("victim", [sc], kv_blocks(kv_v, range(4, 8)), b"cold")
-            maybe_done = warm.write("victim", [sw], kv_blocks(kv_v, range(8, 12)), b"pending")
+            in_flight_cold = cold.write("victim", kv_blocks(sc, range(4)), kv_blocks(kv_v, range(4, 8)), b"cold")
+            maybe_done = warm.write("victim", kv_blocks(sw, range(4)), kv_blocks(kv_v, range(8, 12)), b"pending")
             os.kill(victim.proc.pid, signal.SIGKILL)
             victim.proc.join(10)
 
@@ -336,7 +342,7 @@ def test_sigkilled_peer_raises():
                 assert not isinstance(e, TransferTimeout)
             t0 = time.monotonic()
             with pytest.raises(TransferError, match="victim") as err:
-                warm.write("victim", [sw], kv_blocks(kv_v, range(4)), b"after").wait(timeout_s=5.0)
+                warm.write("victim", kv_blocks(sw, range(4)), kv_blocks(kv_v, range(4)), b"after").wait(timeout_s=5.0)
             assert not isinstance(err.value, TransferTimeout)
             assert time.monotonic() - t0 < 2.0
             with pytest.raises(TransferError, match="victim"):
@@ -344,7 +350,7 @@ def test_sigkilled_peer_raises():
             warm.remove_peer("victim")
             assert warm.peers == []
             with pytest.raises(TransferError, match="unknown peer"):
-                warm.write("victim", [sw], kv_blocks(kv_v, range(4)))
+                warm.write("victim", kv_blocks(sw, range(4)), kv_blocks(kv_v, range(4)))
         # close() after a dead peer must not abort the process (UCX teardown assertion).
     finally:
         victim.stop()
@@ -385,6 +391,6 @@ def test_bandwidth_report(peer_a, side_b):
                 t.wait(30)
                 times.append(time.perf_counter() - t0)
                 post.append(t1 - t0)
-            assert t.num_descs == len(loc)
+            assert t.num_descs == 1 if len(loc) == 1 else t.num_descs > 4000  # random runs may merge
             lines.append(f"{op:5s} {label:24s}: {_rate(total, times[1:])} (validate+post {min(post) * 1e3:.2f} ms)")
     print("\nNIXL CPU bandwidth (UCX, 2 processes):\n  " + "\n  ".join(lines))
