@@ -266,6 +266,10 @@ class Launcher:
         env["EPD_DEVICE_INDEX"] = str(slot.device_index)
         env["EPD_LAUNCHER_PID"] = str(self._parent_pid)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # UCX (under NIXL) listens on every interface unless told otherwise; the
+        # pools talk over loopback by default, so keep the data plane there too.
+        env.setdefault("UCX_NET_DEVICES", "lo")
+        env.setdefault("NIXL_LOG_LEVEL", "WARN")
         return env
 
     def _preexec(self) -> Callable[[], None] | None:

@@ -321,7 +321,7 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
         return {"status": "ok", "pools": alive}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics_endpoint():
         if metrics_render is None:
             return Response(b"", media_type="text/plain")
         data, ctype = metrics_render()

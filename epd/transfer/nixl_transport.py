@@ -13,13 +13,18 @@ see tests/transfer/test_nixl_transport.py):
 - `get_serialized_descs` / `deserialize_descs` are `pickle.dumps` / `pickle.loads`:
   never used here. Descriptor tables travel as integer triples (addr, nbytes, dev)
   and are rebuilt locally with `get_xfer_descs(ndarray Nx3, mem_type)`.
-- With no progress thread nothing completes unless *both* agents drive UCX: the
-  initiator through `check_xfer_state`, the target through `get_new_notifs`. A target
-  that is busy (or SIGSTOPped) leaves writes and reads into it at "PROC" forever;
-  NIXL has no timeout of its own, so every wait here has a deadline after which the
-  handle is released (which cancels it). `progress_thread_us` starts NIXL's UCX
-  progress thread with that sleep between sweeps (about 2-3 % of a core at 1000 us)
-  for a worker whose main loop cannot poll often (a decode worker mid-step).
+- Without a progress thread the *target* of a transfer must drive UCX as well
+  (`get_new_notifs`): a new connection never completes while the target neither polls
+  nor runs a progress thread, notifications are only seen when it polls, and even on an
+  established connection some transfers stay "PROC" until it does (observed after
+  notification-carrying transfers). A SIGSTOPped or busy peer can thus leave a transfer
+  "PROC" forever; NIXL has no timeout of its own, so every wait here has a deadline
+  after which the handle is released (which cancels it). `progress_thread_us` > 0
+  starts NIXL's UCX progress thread sleeping that long between sweeps (~2 % of a core
+  idle; NIXL's own default of 0 spins half a core) for a worker whose main loop cannot
+  poll every millisecond or so (a decode worker mid-step, an encoder mid-batch).
+- On CPU UCX moves data with cma (process_vm_writev/readv) inside `transfer()`: the
+  initiator's thread does the copy before the call returns, usually "DONE".
 - A killed peer: `transfer()` / `check_xfer_state()` raise `nixlRemoteDisconnectError`
   within a millisecond. After a request to a dead peer fails, the agent must be
   driven once (`get_new_notifs`) before it is destroyed, or UCX aborts the process at

@@ -26,7 +26,7 @@ BLOCK = BS * H * D * 4  # 8 KiB
 BIG_SHAPE = (4096, 4096)  # 4096 blocks of 16 KiB = 64 MiB
 BIG_BLOCK = 4096 * 4
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # spawns peer processes
 
 
 class Peer:
