@@ -3,9 +3,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
+POOLS ?= e:1,p:1,d:1
+PORT ?= 8000
 STAMP := $(VENV)/.epd-installed
 
-.PHONY: run test install clean-venv
+.PHONY: run generate test install clean-venv
 
 install: $(STAMP)
 
@@ -18,6 +20,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(VENV)/bin/epd launch --pools $(POOLS) --port $(PORT)
+
+generate: $(STAMP)
 	$(VENV)/bin/epd generate --prompt "$(PROMPT)" --max-tokens 64 --temperature 0
 
 test: $(STAMP)

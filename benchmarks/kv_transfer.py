@@ -50,6 +50,7 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -240,11 +241,14 @@ def measure_raw(geo: Geometry, lengths: list[int], seed: int, repeats: int = 5) 
             addrs = np.concatenate([kb, vb])
             return np.stack([addrs, np.full_like(addrs, bb), np.zeros_like(addrs)], axis=1)
 
-        def one_round(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[float, int]:
+        def one_round(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[float, float, int, int]:
+            """(seconds first post -> all done, seconds spent posting, descriptors, writes done when posted)."""
             plans = [(layer_descs(k_loc, v_loc, layer, src_ids), layer_descs(k_rem, v_rem, layer, dst_ids))
                      for layer in range(geo.layers)]
             t0 = time.perf_counter()
             xfers = [transport.write(peer, loc, rem) for loc, rem in plans]
+            t_post = time.perf_counter() - t0
+            done_at_post = sum(t.done for t in xfers)
             pending = list(xfers)
             deadline = time.monotonic() + 60
             while pending:
@@ -253,7 +257,7 @@ def measure_raw(geo: Geometry, lengths: list[int], seed: int, repeats: int = 5) 
                     for t in pending:
                         t.release()
                     raise RuntimeError("raw NIXL writes not done after 60 s")
-            return time.perf_counter() - t0, sum(t.num_descs for t in xfers)
+            return time.perf_counter() - t0, t_post, sum(t.num_descs for t in xfers), done_at_post
 
         # Connection set-up and first-touch costs, not timed.
         one_round(np.arange(4), np.arange(4))
@@ -265,11 +269,14 @@ def measure_raw(geo: Geometry, lengths: list[int], seed: int, repeats: int = 5) 
                        "scattered": (rng.permutation(geo.num_blocks)[:n], rng.permutation(geo.num_blocks)[:n])}
             for name, (src_ids, dst_ids) in layouts.items():
                 one_round(src_ids, dst_ids)  # warm-up
-                times, descs = [], 0
+                times, posts, descs, done_at_post = [], [], 0, 0
                 for _ in range(repeats):
-                    dt, descs = one_round(src_ids, dst_ids)
+                    dt, post, descs, done_at_post = one_round(src_ids, dst_ids)
                     times.append(dt)
+                    posts.append(post)
                 res[f"{name}_s"] = min(times)
+                res[f"{name}_post_share"] = statistics.median(p / t for p, t in zip(posts, times))
+                res[f"{name}_done_at_post"] = done_at_post
                 res[f"{name}_median_s"] = statistics.median(times)
                 res[f"{name}_gbps"] = _gbps(nbytes, min(times))
                 res[f"{name}_descs"] = descs
@@ -284,7 +291,10 @@ def measure_raw(geo: Geometry, lengths: list[int], seed: int, repeats: int = 5) 
             out[str(length)] = res
             print(f"  raw {length:5d} tokens: contig {res['contig_gbps']:6.2f} GB/s "
                   f"({res['contig_descs']} descs), scattered {res['scattered_gbps']:6.2f} GB/s "
-                  f"({res['scattered_descs']} descs)", flush=True)
+                  f"({res['scattered_descs']} descs); time spent inside write() (posting): "
+                  f"{res['contig_post_share']:.0%} / {res['scattered_post_share']:.0%}, writes already done "
+                  f"when write() returned: {res['contig_done_at_post']} / {res['scattered_done_at_post']} "
+                  f"of {geo.layers}", flush=True)
         return out
     finally:
         if transport is not None:
@@ -302,7 +312,7 @@ def measure_raw(geo: Geometry, lengths: list[int], seed: int, repeats: int = 5) 
 
 
 # ---------------------------------------------------------------------------- served
-async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path) -> dict:
+async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path, sink: dict) -> None:
     from epd import metrics
     from epd.launch_spec import build_launch_plan
     from epd.launcher import Launcher
@@ -320,7 +330,9 @@ async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path) -> dict:
     launcher = Launcher(plan, model=str(model_dir), router_endpoint=router.endpoint, threads_per_worker=threads,
                         extra_worker_args=worker_args, log_dir=log_dir)
     gen = torch.Generator().manual_seed(args.seed)
-    rows: dict = {}
+    rows: dict = sink.setdefault("results", {})
+    sink["config"] = {"pools": "p:1,d:1", "threads_per_worker": threads, "worker_args": worker_args,
+                      "reps": args.reps, "max_num_batched_tokens": "worker default (2048)"}
     try:
         t0 = time.monotonic()
         launcher.start()
@@ -376,9 +388,6 @@ async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path) -> dict:
                 print(f"  warning: {length} tokens moved {med['kv_bytes']} B, expected {geo.kv_bytes(length)} B",
                       flush=True)
             rows[str(length)] = med
-        return {"config": {"pools": "p:1,d:1", "threads_per_worker": threads, "worker_args": worker_args,
-                           "reps": args.reps, "max_num_batched_tokens": "worker default (2048)"},
-                "results": rows}
     finally:
         try:
             await router.stop()
@@ -386,10 +395,11 @@ async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path) -> dict:
             launcher.stop()
 
 
-def measure_served(args, geo: Geometry, model_dir: Path) -> dict:
+def measure_served(args, geo: Geometry, model_dir: Path, sink: dict) -> None:
+    """Fills ``sink`` ({"config", "results": {length: medians}}) as lengths complete."""
     log_dir = Path(tempfile.mkdtemp(prefix="epd-kv-transfer-logs-"))
     try:
-        return asyncio.run(_served(args, geo, model_dir, log_dir))
+        asyncio.run(_served(args, geo, model_dir, log_dir, sink))
     except BaseException:
         print(f"served run failed; worker logs in {log_dir}:", file=sys.stderr)
         for f in sorted(log_dir.glob("*.log")):
@@ -506,9 +516,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: prompts of >= {geo.max_pos} tokens are sent as {geo.max_pos - 1} tokens "
               f"(max_position_embeddings {geo.max_pos}; same number of blocks)", flush=True)
 
+    def _term(signum, frame):  # `timeout` / kill: unwind so that workers are stopped and results saved
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _term)
     if not args.raw:
         print("served mode: p:1,d:1", flush=True)
-        data["served"] = dict(measure_served(args, geo, model_dir), measured_at=stamp)
+        served: dict = {"measured_at": stamp}
+        try:
+            measure_served(args, geo, model_dir, served)
+        except BaseException:
+            if served.get("results"):
+                served["partial"] = True
+                data["served"] = served
+                json_path.write_text(json.dumps(data, indent=2))
+                print(f"partial served results saved to {json_path}", file=sys.stderr)
+            raise
+        data["served"] = served
     if args.raw or args.all:
         print("raw mode: NIXL between two processes", flush=True)
         data["raw"] = {"results": measure_raw(geo, args.lengths, args.seed), "measured_at": stamp}

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from epd.messages import (Abort, Heartbeat, Message, MessageError, PeerInfo, Region, Shutdown, StatsRequest,
-                          WorkerReady, WorkerStats, decode, encode)
+from epd.messages import (Abort, Heartbeat, Message, MessageError, PeerInfo, Region, RequestFailed, Shutdown,
+                          StatsRequest, WorkerReady, WorkerStats, decode, encode)
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,14 @@ class BaseWorker:
             except MessageError as e:
                 logger.warning("%s dropped a malformed command: %s", self.instance_id, e)
                 continue
-            self.handle(msg)
+            try:
+                self.handle(msg)
+            except Exception as e:  # one bad request must not take the worker down
+                logger.exception("%s failed handling %s", self.instance_id, type(msg).__name__)
+                rid = getattr(msg, "request_id", None)
+                if rid is not None:
+                    self.abort(rid)
+                    self.send(RequestFailed(rid, self.instance_id, f"{type(e).__name__}: {e}"))
 
     def close(self) -> None:
         try:
