@@ -37,9 +37,18 @@ the bytes with one thread as well), best of 5: ``index`` = random block ids,
     python benchmarks/kv_transfer.py --raw        # NIXL only + memcpy
     python benchmarks/kv_transfer.py --all        # both
     python benchmarks/kv_transfer.py --quick      # smoke run: 128 and 1024 tokens, 1 rep
+    python benchmarks/kv_transfer.py --lengths 8192 --reps 1   # add / redo one length
+    python benchmarks/kv_transfer.py --report-only              # table + plot from the JSON
 
-Writes benchmarks/results/kv_transfer.json (sections of an earlier run that this run
-did not measure are kept) and kv_transfer.png.
+Writes benchmarks/results/kv_transfer.json and kv_transfer.png. Results are merged by
+length: lengths and modes this run did not measure keep their earlier values (each row
+has its ``measured_at``).
+
+On a CPU the UCX transport is cma (process_vm_writev): a NIXL WRITE is copied inside
+``write()`` by the calling thread and is already done when it returns (raw mode reports
+this as ``*_done_at_post``). The prefill worker's per-layer writes therefore run in the
+forward's own thread, serially: ``kv_exposed_s`` is ~0 and the "hidden" share ~100 %
+by construction, while the copy time sits inside ``prefill_s``.
 """
 
 from __future__ import annotations
@@ -71,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--raw", action="store_true", help="NIXL only between two processes (no workers)")
     mode.add_argument("--all", action="store_true", help="served mode, then raw mode")
+    mode.add_argument("--report-only", action="store_true",
+                      help="measure nothing: print the table and redraw the plot from the saved JSON")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help=f"prompt lengths (default {' '.join(map(str, DEFAULT_LENGTHS))}); a length at or above "
                         "the model's max_position_embeddings (8192) is sent as max-1 tokens (same blocks)")
@@ -83,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads per worker (default: all usable cores; requests run one at a time, "
                         "so only one worker computes at once)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds per request (also the router's stage deadline)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
@@ -325,7 +337,8 @@ async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path, sink: dic
     max_len = min(geo.max_pos, max(geo.prompt_tokens(n) for n in args.lengths) + 2)
     worker_args = ["--max-model-len", str(max(max_len, 256)), "--num-kv-blocks", str(args.num_kv_blocks),
                    "--block-size", str(args.block_size)]
-    router = Router()
+    # The router's default 120 s stage deadline is too short for 8192 tokens on a busy CPU.
+    router = Router(stage_timeout_s=args.request_timeout, token_timeout_s=args.request_timeout)
     await router.start()
     launcher = Launcher(plan, model=str(model_dir), router_endpoint=router.endpoint, threads_per_worker=threads,
                         extra_worker_args=worker_args, log_dir=log_dir)
@@ -384,6 +397,7 @@ async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path, sink: dic
             med["num_transfer_requests"] = samples[0]["num_transfer_requests"]
             med["prompt_tokens"] = samples[0]["prompt_tokens"]
             med["samples"] = samples
+            med["reps"] = len(samples)
             if med["kv_bytes"] != geo.kv_bytes(length):
                 print(f"  warning: {length} tokens moved {med['kv_bytes']} B, expected {geo.kv_bytes(length)} B",
                       flush=True)
@@ -436,7 +450,12 @@ def build_rows(data: dict, lengths: list[int]) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     def f(v, fmt, scale=1.0):
-        return "-" if v is None else format(v * scale, fmt)
+        if v is None:
+            return "-"
+        v *= scale
+        if fmt.endswith("g3"):  # 3 significant digits, without exponent for the small values here
+            return f"{v:.3f}" if v >= 0.1 else f"{v:.2g}" if v >= 1e-3 else f"{v:.1e}"
+        return format(v, fmt)
 
     head = ("| tokens | KV MB | transfer ms | prefill ms | exposed ms | hidden | effective GB/s "
             "| raw NIXL GB/s (scattered / contig) | memcpy GB/s (index / contig) | effective / memcpy "
@@ -447,10 +466,10 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['tokens']} | {f(r['kv_bytes'], '.1f', 1e-6)} | {f(r['kv_transfer_s'], '.1f', 1e3)} "
             f"| {f(r['prefill_s'], '.1f', 1e3)} | {f(r['kv_exposed_s'], '.1f', 1e3)} "
-            f"| {f(r['hidden_share'], '.0%')} | {f(r['effective_gbps'], '.2f')} "
+            f"| {f(r['hidden_share'], '.0%')} | {f(r['effective_gbps'], 'g3')} "
             f"| {f(r['raw_scattered_gbps'], '.2f')} / {f(r['raw_contig_gbps'], '.2f')} "
             f"| {f(r['memcpy_index_gbps'], '.2f')} / {f(r['memcpy_contig_gbps'], '.2f')} "
-            f"| {f(r['effective_over_memcpy'], '.2f')} "
+            f"| {f(r['effective_over_memcpy'], 'g3')} "
             f"| {f(r['raw_over_memcpy'], '.2f')} / {f(r['raw_contig_over_memcpy_contig'], '.2f')} |")
     return "\n".join(lines)
 
@@ -475,8 +494,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks([r["tokens"] for r in rows])
     ax.set_xticklabels([str(r["tokens"]) for r in rows])
     ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("GB/s")
-    ax.set_ylim(bottom=0)
+    ax.set_yscale("log")  # the served effective rate is 3 orders of magnitude below the others on a CPU
+    ax.set_ylabel("GB/s (log scale)")
     ax.set_title("KV transfer prefill -> decode, SmolLM2-135M fp32, CPU (UCX)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -496,6 +515,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path = args.out_dir / "kv_transfer.json"
+    if args.report_only:
+        data = json.loads(json_path.read_text())
+        rows = build_rows(data, data.get("lengths") or args.lengths)
+        plot(rows, args.out_dir / "kv_transfer.png")
+        print(format_table(rows))
+        return 0
     data: dict = {}
     if json_path.exists():
         try:
@@ -509,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
                      "head_dim": geo.head_dim, "dtype": "float32", "block_size": geo.block_size,
                      "block_bytes": geo.block_bytes, "num_kv_blocks": geo.num_blocks,
                      "max_position_embeddings": geo.max_pos}
-    data["lengths"] = args.lengths
     print(f"KV of one 16-token block: {geo.block_bytes} B per layer for K (same for V); "
           f"{geo.kv_bytes(8192) / 1e6:.0f} MB for 8192 tokens", flush=True)
     if geo.max_pos <= max(args.lengths):
@@ -520,26 +544,36 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _term)
+    def merge(section: str, new: dict) -> None:
+        """New per-length results replace old ones of the same length; other lengths are kept."""
+        old = data.get(section) or {}
+        results = dict(old.get("results") or {})
+        for key, row in (new.get("results") or {}).items():
+            results[key] = dict(row, measured_at=stamp)
+        data[section] = dict(old, **{k: v for k, v in new.items() if k != "results"}, results=results)
+
     if not args.raw:
         print("served mode: p:1,d:1", flush=True)
-        served: dict = {"measured_at": stamp}
+        served: dict = {}
         try:
             measure_served(args, geo, model_dir, served)
         except BaseException:
             if served.get("results"):
-                served["partial"] = True
-                data["served"] = served
+                merge("served", served)
                 json_path.write_text(json.dumps(data, indent=2))
                 print(f"partial served results saved to {json_path}", file=sys.stderr)
             raise
-        data["served"] = served
+        merge("served", served)
     if args.raw or args.all:
         print("raw mode: NIXL between two processes", flush=True)
-        data["raw"] = {"results": measure_raw(geo, args.lengths, args.seed), "measured_at": stamp}
+        merge("raw", {"results": measure_raw(geo, args.lengths, args.seed)})
     print("memcpy baseline (1 thread)", flush=True)
-    data["memcpy"] = {"results": measure_memcpy(geo, args.lengths, args.seed), "measured_at": stamp}
+    merge("memcpy", {"results": measure_memcpy(geo, args.lengths, args.seed)})
 
-    rows = build_rows(data, args.lengths)
+    lengths = sorted(set(args.lengths) | {int(k) for sec in ("served", "raw", "memcpy")
+                                          for k in (data.get(sec) or {}).get("results", {})})
+    data["lengths"] = lengths
+    rows = build_rows(data, lengths)
     data["table"] = rows
     big = [r for r in rows if r["tokens"] >= TARGET_MIN_TOKENS and r["effective_over_memcpy"] is not None]
     if big:

@@ -212,6 +212,7 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     queue_s: float
     num_transfer_requests: int
     kv_exposed_s: float = 0.0  # transfer time left after the prefill forward ended (not hidden by compute)
+    kv_write_s: float = 0.0  # time inside NIXL write calls during the forward (synchronous copies on CPU)
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):

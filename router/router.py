@@ -321,8 +321,8 @@ class Router:
             self._set_state(rid, RequestState.DECODE)
             for msg in reversed(early):  # put the overtaking tokens back in front, in order
                 self._requeue_front(rid, msg)
-            stats = {k: getattr(done, k) for k in ("kv_bytes", "kv_transfer_s", "kv_exposed_s", "prefill_s",
-                                                   "queue_s", "num_transfer_requests")}
+            stats = {k: getattr(done, k) for k in ("kv_bytes", "kv_transfer_s", "kv_exposed_s", "kv_write_s",
+                                                   "prefill_s", "queue_s", "num_transfer_requests")}
             yield TokenEvent([done.first_token], False, None, done.num_cached_tokens, stats)
             async for ev in self._stream(rid, first_timeout_s=self.token_timeout_s,
                                          num_cached_tokens=done.num_cached_tokens):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import time
-
 from epd.errors import InvalidRequestError
-from epd.messages import GenerateRequest, Message, RequestFailed, TokenOutput
+from epd.messages import GenerateRequest, Message, RequestFailed
 from epd.transfer.nixl_transport import TransferError
 from epd.workers.engine_worker import EngineWorker, to_sampling_params
 
@@ -31,17 +29,8 @@ class AggregatedWorker(EngineWorker):
         except (InvalidRequestError, ValueError, KeyError, TransferError) as e:
             self.send(RequestFailed(msg.request_id, self.instance_id, str(e), retryable=isinstance(e, TransferError)))
 
-    def has_work(self) -> bool:
-        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
-
     def step(self) -> None:
-        t0 = time.monotonic()
-        outs = self.engine.step()
-        self.observe("decode_step", time.monotonic() - t0)
-        for out in outs:
-            comp = out.outputs[0]
-            self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,
-                                  out.num_cached_tokens))
+        self.stream_step()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)

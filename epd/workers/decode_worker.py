@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 from epd.errors import InvalidRequestError
@@ -66,16 +65,8 @@ class DecodeWorker(EngineWorker):
                     if out.finished:  # the first token already ended it (EOS, max_tokens=1, ...)
                         self.send(TokenOutput(msg.request_id, [], True, out.outputs[0].finish_reason))
 
-    def has_work(self) -> bool:
-        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
-
     def step(self) -> None:
-        t0 = time.monotonic()
-        outs = self.engine.step()
-        self.observe("decode_step", time.monotonic() - t0)
-        for out in outs:
-            comp = out.outputs[0]
-            self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason))
+        self.stream_step()
 
     def abort(self, request_id: str) -> None:
         self.pending = deque(m for m in self.pending if m.request_id != request_id)

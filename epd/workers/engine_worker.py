@@ -8,7 +8,8 @@ import torch
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
-from epd.messages import EmbeddingRef, KVLayout, Placeholder, ReleaseEmbeddings, TensorBlob, WireSamplingParams, encode
+from epd.messages import (EmbeddingRef, KVLayout, Placeholder, ReleaseEmbeddings, TensorBlob, TokenOutput,
+                          WireSamplingParams, encode)
 from epd.model_files import resolve_model
 from epd.sampling_params import SamplingParams
 from epd.sequence import MultiModalPlaceholder
@@ -76,6 +77,19 @@ class EngineWorker(BaseWorker):
             return out
         finally:
             self.recv_buffer.free(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+
+    def stream_step(self) -> None:
+        """One engine step; each request's new token goes to the router."""
+        t0 = time.monotonic()
+        outs = self.engine.step()
+        self.observe("decode_step", time.monotonic() - t0)
+        for out in outs:
+            comp = out.outputs[0]
+            self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,
+                                  out.num_cached_tokens))
 
     @staticmethod
     def placeholders(ph: list[Placeholder]) -> list[MultiModalPlaceholder]:

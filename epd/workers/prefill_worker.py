@@ -27,6 +27,7 @@ class _Job:
     prefill_s: float = 0.0
     kv_bytes: int = 0
     forward_end: float = 0.0
+    write_s: float = 0.0  # time spent inside write() calls (on CPU, cma copies synchronously there)
 
 
 class PrefillWorker(EngineWorker):
@@ -71,10 +72,12 @@ class PrefillWorker(EngineWorker):
             return
         self.jobs[rid] = job
 
-    def has_work(self) -> bool:
-        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
-
     def _layer_hook(self, sched: SchedulerOutput):
+        now = time.monotonic()
+        for s in sched.scheduled:  # a job's prefill starts with its first scheduled chunk
+            job = self.jobs.get(s.seq.request_id)
+            if job is not None and not job.start:
+                job.start = now
         finishing = [(s.seq, self.jobs[s.seq.request_id]) for s in sched.scheduled
                      if s.sample and s.seq.request_id in self.jobs]
         if not finishing:
@@ -88,10 +91,12 @@ class PrefillWorker(EngineWorker):
             n = len(job.req.decode_block_ids)
             src, dst = seq.block_table[:n], list(job.req.decode_block_ids)
             plans.append((job, src, dst, d))
-            job.send_start = time.monotonic()
 
         def hook(layer: int) -> None:
             for job, src, dst, d in plans:
+                t0 = time.monotonic()
+                if not job.send_start:
+                    job.send_start = t0
                 dk, dv = d.k_regions[layer][0], d.v_regions[layer][0]
                 local = [(k_base[layer] + b * bb, bb, 0) for b in src] + [(v_base[layer] + b * bb, bb, 0) for b in src]
                 remote = [(dk + b * bb, bb, 0) for b in dst] + [(dv + b * bb, bb, 0) for b in dst]
@@ -101,14 +106,12 @@ class PrefillWorker(EngineWorker):
                     logger.warning("prefill %s: KV write for %s failed: %s", self.instance_id, job.req.request_id, e)
                     job.transfers.append(None)  # type: ignore[arg-type]
                 job.kv_bytes += 2 * len(src) * bb
+                job.write_s += time.monotonic() - t0
 
         return hook
 
     def step(self) -> None:
         t0 = time.monotonic()
-        for rid, job in self.jobs.items():
-            if not job.start and self.engine.requests.get(rid) and self.engine.requests[rid].seq.num_computed_tokens:
-                job.start = t0
         outs = self.engine.step(layer_hook_factory=self._layer_hook)
         for out in outs:
             job = self.jobs.get(out.request_id)
@@ -149,7 +152,7 @@ class PrefillWorker(EngineWorker):
             self.count("kv_transfer_bytes", job.kv_bytes)
             self.send(PrefillDone(rid, self.instance_id, job.first_token, job.num_cached_tokens, job.kv_bytes,
                                   now - job.send_start, job.prefill_s, (job.start or now) - job.arrival,
-                                  len(job.transfers), max(0.0, now - job.forward_end)))
+                                  len(job.transfers), max(0.0, now - job.forward_end), job.write_s))
 
     def _drop(self, request_id: str) -> None:
         job = self.jobs.pop(request_id, None)
