@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     from epd import LLM
     from epd.model_files import resolve_model
 
+    git_state = _git_state()  # before the run: the code that was imported
     model_dir = resolve_model(None)
     t0 = time.perf_counter()
     llm = LLM(model=None)  # default engine settings
@@ -320,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "machine": {"platform": platform.platform(), "processor": _cpu_name(), "python": sys.version.split()[0]},
+        "git": git_state,
         "epd_engine_settings": settings,
         "epd_load_s": epd_load_s,
         "other_cores_busy_at_start": start_load,
@@ -335,6 +337,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {json_path} and {png_path}")
     llm.shutdown()
     return 0 if sanity is None or sanity["agree"] else 1
+
+
+def _git_state() -> dict:
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "epd", "kernels"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return {"commit": head or None, "engine_files_modified": bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "engine_files_modified": None}
 
 
 def _cpu_name() -> str:
