@@ -300,10 +300,12 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        graceful = False
         try:
-            self.runner.shutdown()
+            graceful = self.runner.shutdown()
         finally:
             for p in self._procs:
-                p.join(timeout=10)
+                p.join(timeout=10 if graceful else 0)
                 if p.is_alive():
                     p.kill()
+                    p.join(timeout=5)

@@ -129,6 +129,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(prev)
         load_weights(self.model, config.model)
+        self.in_step = False
         self.num_blocks = config.resolve_num_kv_blocks()
         shape = (hf.num_hidden_layers, self.num_blocks, config.block_size, config.num_kv_heads // tp, config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
@@ -144,16 +145,26 @@ class ModelRunner:
         """Run a step on every rank; returns logits [len(logits_indices), vocab]
         (fp32) on rank 0. ``mm_embeds``: [sum of mm_rows lengths, hidden];
         ``layer_hook(l)`` runs (on rank 0) once layer l's K/V is in the cache."""
+        # Stays True if the step raises (e.g. Ctrl-C mid-forward): the other ranks
+        # are then stuck in a collective and must be killed, not told to shut down.
+        self.in_step = True
         if self.config.tensor_parallel_size > 1:
             _broadcast_message(step)
             if step.mm_rows:
                 dist.broadcast(mm_embeds.to(self.config.torch_dtype).contiguous(), src=0)
-        return self._run(step, mm_embeds, layer_hook)
+        out = self._run(step, mm_embeds, layer_hook)
+        self.in_step = False
+        return out
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """Tell the other TP ranks to exit. Returns False when they cannot be told
+        (a step was interrupted, so they wait in a collective): kill them instead."""
         if self.config.tensor_parallel_size > 1 and dist.is_initialized():
+            if self.in_step:
+                return False
             _broadcast_message(Shutdown())
             dist.destroy_process_group()
+        return True
 
     # ---- every rank ---------------------------------------------------
     @torch.inference_mode()

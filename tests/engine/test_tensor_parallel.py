@@ -55,3 +55,24 @@ def test_tp2_with_image_embeddings(tmp_path):
         assert tp2.generate(request, params)[0].outputs[0].token_ids == expected
     finally:
         tp2.shutdown()
+
+
+@pytest.mark.slow
+def test_shutdown_after_interrupted_step_leaves_no_rank(tiny_model_dirs):
+    """A step that dies mid-forward on rank 0 (Ctrl-C, a bug) leaves rank 1 waiting in a
+    collective: shutdown must kill it rather than wait on a broadcast forever."""
+    llm = LLM(tiny_model_dirs["llama"], tensor_parallel_size=2)
+    engine = llm.engine
+    engine.add_request("r", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8))
+
+    def boom(_sched):
+        def hook(layer):
+            if layer == 1:
+                raise RuntimeError("interrupted")
+        return hook
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        engine.step(layer_hook_factory=boom)
+    procs = list(engine._procs)
+    llm.shutdown()
+    assert procs and not any(p.is_alive() for p in procs)
