@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -127,8 +128,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_create_tiny(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from epd.tiny import create_tiny_model
 
+    out = Path(args.dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        print(f"epd model create-tiny: {out} exists and is not an empty directory; pick a new path "
+              f"or pass --force to write into it", file=sys.stderr)
+        return 2
     path = create_tiny_model(args.kind, args.dir, seed=args.seed)
     print(path)
     return 0
@@ -199,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("kind", choices=["llama", "qwen2", "qwen3", "llava", "llava-siglip", "qwen2-audio"])
     ct.add_argument("dir")
     ct.add_argument("--seed", type=int, default=0)
+    ct.add_argument("--force", action="store_true", help="write into a non-empty directory")
     ct.set_defaults(func=cmd_create_tiny)
     return parser
 
@@ -214,6 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelNotFoundError, ModelLoadError, ConfigError, LaunchSpecError) as e:
         print(f"epd {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"epd {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a user mistake the checks above missed: a message, not a traceback
+        if os.environ.get("EPD_DEBUG"):
+            raise
+        print(f"epd {args.command}: {type(e).__name__}: {e} (set EPD_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence as Seq
 
 from transformers import AutoTokenizer
@@ -48,6 +49,9 @@ class LLM:
                               dtype=dtype, device=device, seed=seed)
         self.engine = LLMEngine(config, self.tokenizer)
         self._ids = itertools.count()
+        # The engine is driven by one thread at a time; concurrent generate() calls
+        # from several threads queue here instead of corrupting a step.
+        self._lock = threading.Lock()
         self.model_dir = str(path)
         self._mm_processor = None
         self._encoder = None
@@ -155,10 +159,18 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a string, a token-id list, a dict or a list of those, "
+                                      f"got {type(prompts).__name__}", "prompt")
+        prompts = list(prompts)
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        with self._lock:
+            return self._generate(prompts, params_list)
+
+    def _generate(self, prompts: list, params_list: list[SamplingParams]) -> list[RequestOutput]:
         encoded = [self._prepare(p) for p in prompts]
         for (_, ids, _), sp in zip(encoded, params_list):
             self.engine.validate(ids, sp)

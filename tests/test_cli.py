@@ -56,3 +56,17 @@ def test_default_model_answers_france(default_model_dir):
              "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr
     assert "Paris" in json.loads(r.stdout)["text"]
+
+
+def test_create_tiny_refuses_a_non_empty_dir(tmp_path):
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "precious.bin").write_bytes(b"keep me")
+    r = _epd("model", "create-tiny", "llama", str(target))
+    assert r.returncode == 2 and "--force" in r.stderr
+    assert (target / "precious.bin").read_bytes() == b"keep me" and not (target / "config.json").exists()
+
+
+def test_unexpected_errors_are_one_line(tiny_model_dirs):
+    r = _epd("generate", "--model", tiny_model_dirs["llama"], "--prompt", "hi", "--seed", str(2**70))
+    assert r.returncode in (1, 2) and "seed" in r.stderr and "Traceback" not in r.stderr

@@ -99,3 +99,14 @@ def test_non_integer_top_k_is_rejected():
     ``RuntimeError: gather(): Expected dtype int32/int64 for index``."""
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=1.5)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"seed": "x"}, "seed"), ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"),
+    ({"temperature": "0.5"}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"max_tokens": True}, "max_tokens"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"top_p": float("nan")}, "top_p"),
+])
+def test_type_and_range_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from pydantic import BaseModel, Field, ValidationError
 
 from epd.detokenizer import IncrementalDetokenizer
@@ -86,6 +87,7 @@ class _RequestTimer:
         self.first = self.last = None
         self.n = 0
         self.finished = False  # reached its end: last token, or a stop string
+        self.closed = False
 
     def on_tokens(self, count: int) -> None:
         if not count or self.m is None:
@@ -100,8 +102,10 @@ class _RequestTimer:
         self.n += count
 
     def close(self) -> None:
-        if self.m is None:
+        """Record the request's latencies once (idempotent)."""
+        if self.m is None or self.closed:
             return
+        self.closed = True
         if self.last is not None:
             self.m.e2e_request_latency.labels(**self.labels).observe(self.last - self.arrival)
             if self.n > 1:
@@ -200,14 +204,13 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
         detok = IncrementalDetokenizer(tokenizer, processed.prompt_token_ids, stop=stop)
         return rid, req, detok
 
-    async def respond(body: _SamplingFields, rid: str, req: RouterRequest, detok, chat: bool):
+    async def respond(body: _SamplingFields, rid: str, req: RouterRequest, detok, chat: bool, timer: _RequestTimer):
         obj = "chat.completion" if chat else "text_completion"
         usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": 0,
                  "prompt_tokens_details": {"cached_tokens": 0}}
         if not body.stream:
             reason = None
             gen = router.generate(req)
-            timer = _RequestTimer(metrics)
             try:
                 async for ev in gen:
                     timer.on_tokens(len(ev.token_ids))
@@ -246,7 +249,6 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             if chat:
                 yield chunk(None, None, role=True)
             gen = router.generate(req)
-            timer = _RequestTimer(metrics)
             reason = None
             try:
                 async for ev in gen:
@@ -262,6 +264,7 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
                         reason = "stop" if hit else ev.finish_reason
                         break
             except RequestError as e:
+                timer.finished = True  # failed, not cancelled by the client
                 yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error",
                                                        "param": None, "code": None}}) + "\n\n"
                 return
@@ -271,9 +274,12 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             yield chunk(None, reason)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        # The background task runs even when the client left before the stream
+        # started (then sse() never runs): such a request still counts as cancelled.
+        return StreamingResponse(sse(), media_type="text/event-stream", background=BackgroundTask(timer.close))
 
     async def handle(request: Request, model_cls, chat: bool):
+        timer = _RequestTimer(metrics)
         try:
             body = model_cls.model_validate(await request.json())
         except ValidationError as e:
@@ -290,7 +296,7 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             else:
                 prompt, mm = body.prompt, {}
             rid, req, detok = await run(body, prompt, mm, chat)
-            return await respond(body, rid, req, detok, chat)
+            return await respond(body, rid, req, detok, chat, timer)
         except _BadRequest as e:
             return error_response(e.status, str(e), e.param)
         except (InvalidRequestError, MediaError) as e:

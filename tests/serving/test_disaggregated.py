@@ -155,6 +155,7 @@ def test_cancel_at_every_stage_leaks_nothing(llava_dir):
     with launch(llava_dir, "e:1,p:1,d:1", "--block-size", "8") as server:
         before = server.workers()
         rng = random.Random(0)
+        seen_by_server: list[int] = []
 
         async def one(i: int, client: httpx.AsyncClient) -> str:
             cancel = i % 3 == 0
@@ -166,6 +167,8 @@ def test_cancel_at_every_stage_leaks_nothing(llava_dir):
                     "max_tokens": 200 if cancel else 8 + i % 16, "ignore_eos": cancel, "temperature": 0,
                     "stream": True}
             mode, delay, chunks = rng.choice(["delay", "chunks"]), rng.uniform(0.0, 0.3), rng.randint(1, 6)
+            if cancel and mode == "chunks":
+                seen_by_server.append(i)  # it read chunks, so the server had the request
 
             async def consume() -> str:
                 async with client.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
@@ -212,7 +215,9 @@ def test_cancel_at_every_stage_leaks_nothing(llava_dir):
         assert r.choices[0].finish_reason in ("length", "stop")
         metrics = httpx.get(server.url + "/metrics").text
         cancelled = re.search(r'^epd_cancelled_requests_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M)
-        assert cancelled and float(cancelled.group(1)) == 34
+        # A cancel after a tiny delay may close the connection before the request was
+        # even sent; every cancel after streamed chunks reached the server.
+        assert cancelled and len(seen_by_server) <= float(cancelled.group(1)) <= 34
 
 
 def test_smollm2_france_disaggregated_equals_aggregated(default_model_dir):
