@@ -309,3 +309,13 @@ class LLMEngine:
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
+            if not graceful:
+                # The other ranks are gone; drop this process's group so that a later
+                # engine in the same process does not see a stale TP world.
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    try:
+                        dist.destroy_process_group()
+                    except RuntimeError:
+                        pass

@@ -76,3 +76,16 @@ def test_shutdown_after_interrupted_step_leaves_no_rank(tiny_model_dirs):
     procs = list(engine._procs)
     llm.shutdown()
     assert procs and not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.slow
+def test_tp1_engine_after_interrupted_tp2_shutdown(tiny_model_dirs):
+    """After an interrupted TP=2 engine is shut down, a TP=1 engine in the same process
+    must not see the old process group."""
+    import torch.distributed as dist
+
+    test_shutdown_after_interrupted_step_leaves_no_rank(tiny_model_dirs)
+    assert not dist.is_initialized()
+    llm = LLM(tiny_model_dirs["llama"])
+    assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].finished
+    llm.shutdown()
