@@ -217,6 +217,8 @@ class IncrementalDetokenizer:
         the whole text. Unless finished, holds back the last (max stop length - 1)
         characters, which could still become a stop string -- so a stop string is
         never sent in part."""
+        if finished:
+            self._flush_pending()
         hold = 0 if (finished or self.matched_stop is not None) else self.stop_buffer_length
         end = max(self._len - hold, 0)
         if not delta:
@@ -279,6 +281,26 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         return new_text[len(prefix_text) :]
+
+    def _flush_pending(self) -> None:
+        """At the end, emit the complete characters still held in the window (the
+        last token may carry a whole character plus the start of an unfinished
+        one); only the unfinished tail is dropped."""
+        if self.matched_stop is not None or self._read_offset >= len(self._ids):
+            return
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :]).rstrip(_REPLACEMENT_CHAR)
+        self._read_offset = len(self._ids)
+        self._prefix_text = None
+        if len(new_text) > len(prefix_text) and new_text.startswith(prefix_text):
+            text = new_text[len(prefix_text) :]
+            len_before = self._len
+            self._chunks.append(text)
+            self._len += len(text)
+            if self.stop:
+                self._check_stop(len_before)
 
     # ------------------------------------------------------------- stop strings
 

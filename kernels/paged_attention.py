@@ -109,10 +109,9 @@ def _decode_chunk(q, k_cache, v_cache, block_tables, ctx, scale) -> torch.Tensor
     v = v_cache[tables].view(num_seqs, max_tokens, num_kv_heads, head_dim)
     # Slots past the context may hold anything (stale data, NaN from torch.empty): zero
     # them in the fresh gathered copies, since a masked score does not mask 0 * NaN.
-    for i, n in enumerate(ctx.tolist()):
-        if n < max_tokens:
-            k[i, max(n, 0):].zero_()
-            v[i, max(n, 0):].zero_()
+    pad = ~valid[:, :, None, None]
+    k.masked_fill_(pad, 0)
+    v.masked_fill_(pad, 0)
     k = k.transpose(1, 2).to(torch.float32)
     v = v.transpose(1, 2).to(torch.float32)
     qf = q.to(device=device, dtype=torch.float32).unsqueeze(2)  # [B, H, 1, D]

@@ -315,3 +315,43 @@ def test_no_stop_means_no_holdback(tok, prompt):
     det = IncrementalDetokenizer(tok, prompt)
     det.update(enc(tok, "abc STO"))
     assert det.get_next_output_text(finished=False, delta=True) == "abc STO"
+
+
+def test_finish_flushes_a_complete_char_before_an_unfinished_one():
+    """The last token may hold a whole character plus the first byte of the next:
+    at the end the whole character is emitted, only the unfinished tail dropped."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from epd.detokenizer import IncrementalDetokenizer
+
+    # A byte-level vocab where one token is "з" (2 bytes) followed by the first byte of "ж".
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    z, zh = "з".encode(), "ж".encode()
+    bl = {b: ch for b, ch in zip(range(256), _bytes_to_unicode())}
+    combo = "".join(bl[b] for b in z + zh[:1])
+    vocab[combo] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+    a = vocab[bl[ord("a")]]
+    detok = IncrementalDetokenizer(hf, [a])
+    detok.update([a, vocab[combo]])
+    assert detok.get_next_output_text(finished=False, delta=True) == "a"
+    assert detok.get_next_output_text(finished=True, delta=True) == "з"
+    assert detok.output_text == "aз"
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable-unicode map, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
