@@ -42,6 +42,7 @@ from epd.model_files import (
     ModelNotFoundError,
     cache_is_valid,
     cached_conversion,
+    read_json_object,
 )
 
 __all__ = [
@@ -250,13 +251,7 @@ def read_ct2_model(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _read_json(path: pathlib.Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}; reinstall it with `{_INSTALL_HINT}`") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"cannot read {path}: expected a JSON object; reinstall it with `{_INSTALL_HINT}`")
-    return data
+    return read_json_object(path, f"reinstall it with `{_INSTALL_HINT}`")
 
 
 def _scalar(tensors: dict[str, np.ndarray], name: str, default: int | None = None) -> int:

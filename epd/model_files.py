@@ -141,6 +141,22 @@ def resolve_model(model: str | os.PathLike | None = None) -> pathlib.Path:
     raise _not_found(raw, tried=f"{path.resolve()} as a local path")
 
 
+def read_json_object(path: pathlib.Path, fix: str) -> dict:
+    """Parse ``path`` as a JSON object.
+
+    Raises:
+        ModelLoadError: unreadable, not JSON, or not an object; the message names the
+            file and ends with ``fix``.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}; {fix}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"cannot read {path}: expected a JSON object; {fix}")
+    return data
+
+
 def check_model_dir(path: str | os.PathLike) -> None:
     """Validate a model directory cheaply: config.json parses, at least one
     *.safetensors exists and every safetensors header is readable; tokenizer JSON files,
@@ -159,12 +175,7 @@ def check_model_dir(path: str | os.PathLike) -> None:
         f = path / name
         if name != "config.json" and not f.is_file():
             continue
-        try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"cannot read {f}: {exc}; {fix}") from exc
-        if not isinstance(data, dict):
-            raise ModelLoadError(f"cannot read {f}: expected a JSON object; {fix}")
+        read_json_object(f, fix)
 
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
