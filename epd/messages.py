@@ -25,6 +25,8 @@ import msgspec
 import numpy as np
 import torch
 
+from epd.sampling_params import SamplingParams
+
 Region = tuple[int, int, int]  # (addr, nbytes, device_id) of registered memory
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -78,6 +80,17 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int = 16
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+
+    _FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "max_tokens",
+               "ignore_eos")
+
+    @classmethod
+    def from_params(cls, sp: SamplingParams) -> WireSamplingParams:
+        return cls(**{f: getattr(sp, f) for f in cls._FIELDS}, stop_token_ids=list(sp.stop_token_ids))
+
+    def to_params(self) -> SamplingParams:
+        """Raises ValueError for out-of-range values (a worker validates what it receives)."""
+        return SamplingParams(**{f: getattr(self, f) for f in self._FIELDS}, stop_token_ids=list(self.stop_token_ids))
 
 
 class Placeholder(msgspec.Struct, frozen=True):

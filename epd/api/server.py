@@ -136,9 +136,7 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
                                 max_tokens=max_tokens, stop=body.stop, ignore_eos=body.ignore_eos)
         except ValueError as e:
             raise _BadRequest(str(e)) from None
-        wire = WireSamplingParams(sp.temperature, sp.top_p, sp.top_k, sp.seed, sp.presence_penalty,
-                                  sp.frequency_penalty, sp.max_tokens, [], sp.ignore_eos)
-        return wire, list(sp.stop)
+        return WireSamplingParams.from_params(sp), list(sp.stop)
 
     def decode_b64(data: str, param: str) -> bytes:
         if data.startswith("data:"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from epd.errors import InvalidRequestError
 from epd.messages import GenerateRequest, Message, RequestFailed
 from epd.transfer.nixl_transport import TransferError
-from epd.workers.engine_worker import EngineWorker, to_sampling_params
+from epd.workers.engine_worker import EngineWorker
 
 
 class AggregatedWorker(EngineWorker):
@@ -25,7 +25,7 @@ class AggregatedWorker(EngineWorker):
             kw = {}
             if msg.placeholders:
                 kw = {"mm_placeholders": self.placeholders(list(msg.placeholders)), "mm_embeddings": embeddings}
-            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), to_sampling_params(msg.params), **kw)
+            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params.to_params(), **kw)
         except (InvalidRequestError, ValueError, KeyError, TransferError) as e:
             self.send(RequestFailed(msg.request_id, self.instance_id, str(e), retryable=isinstance(e, TransferError)))
 

@@ -8,7 +8,7 @@ from collections import deque
 from epd.errors import InvalidRequestError
 from epd.messages import (KVReady, KVReserved, Message, MessageError, RequestFailed, ReserveKV, TokenOutput,
                           decode)
-from epd.workers.engine_worker import EngineWorker, to_sampling_params
+from epd.workers.engine_worker import EngineWorker
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class DecodeWorker(EngineWorker):
         while self.pending:
             msg = self.pending[0]
             try:
-                blocks = self.engine.reserve(msg.request_id, list(msg.prompt_token_ids), to_sampling_params(msg.params))
+                blocks = self.engine.reserve(msg.request_id, list(msg.prompt_token_ids), msg.params.to_params())
             except (InvalidRequestError, ValueError) as e:
                 self.pending.popleft()
                 self.send(RequestFailed(msg.request_id, self.instance_id, str(e)))

@@ -8,22 +8,13 @@ import torch
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
-from epd.messages import (EmbeddingRef, KVLayout, Placeholder, ReleaseEmbeddings, TensorBlob, TokenOutput,
-                          WireSamplingParams, encode)
+from epd.messages import EmbeddingRef, KVLayout, Placeholder, ReleaseEmbeddings, TensorBlob, TokenOutput, encode
 from epd.model_files import resolve_model
-from epd.sampling_params import SamplingParams
 from epd.sequence import MultiModalPlaceholder
 from epd.workers.base import BaseWorker, WorkerArgs
 from epd.workers.embedding_buffer import EmbeddingBuffer
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def to_sampling_params(p: WireSamplingParams) -> SamplingParams:
-    """Raises ValueError for out-of-range values (the router validated them already)."""
-    return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                          max_tokens=p.max_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
 
 
 class EngineWorker(BaseWorker):

@@ -10,7 +10,7 @@ from epd.engine.scheduler import SchedulerOutput
 from epd.errors import InvalidRequestError
 from epd.messages import KVReady, Message, PrefillDone, PrefillRequest, RequestFailed, encode
 from epd.transfer.nixl_transport import Transfer, TransferError
-from epd.workers.engine_worker import EngineWorker, to_sampling_params
+from epd.workers.engine_worker import EngineWorker
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class PrefillWorker(EngineWorker):
             if msg.decode_instance not in self.peers:
                 raise InvalidRequestError(f"unknown decode instance {msg.decode_instance!r}")
             embeddings = self.fetch_embeddings(rid, msg.encode_instance, list(msg.embeddings))
-            params = to_sampling_params(msg.params)
+            params = msg.params.to_params()
             params.max_tokens = 1  # the first token; decode continues
             params.ignore_eos = True
             params.stop_token_ids = []
