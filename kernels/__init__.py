@@ -10,9 +10,16 @@ from .paged_attention import (
     paged_decode_attention_triton,
     paged_prefill_attention_ref,
 )
+from .kv_staging import pack_kv, pack_kv_ref, pack_kv_triton, unpack_kv, unpack_kv_ref, unpack_kv_triton
 from .store_kv import store_kvcache, store_kvcache_ref, store_kvcache_triton
 
 __all__ = [
+    "pack_kv",
+    "pack_kv_ref",
+    "pack_kv_triton",
+    "unpack_kv",
+    "unpack_kv_ref",
+    "unpack_kv_triton",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_decode_attention_triton",
