@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 import os
+import signal
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 from epd.config import EngineConfig
 from epd.engine.scheduler import SchedulerOutput
+from epd.kernels.kv_staging import pack_kv, staging_shape, unpack_kv
 from epd.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from epd.models import get_model_class
 from epd.models.loader import load_weights
@@ -49,14 +52,41 @@ class StepInput(msgspec.Struct, tag="step"):
     # (first step row, rows) spans whose input embeddings come from media
     # embeddings; their rows, concatenated in order, travel beside the message.
     mm_rows: list[tuple[int, int]] = []
+    # (first staging block, block ids): every rank packs its head slice of these
+    # blocks into its part of the staging region, layer by layer (heterogeneous TP).
+    kv_packs: list[tuple[int, list[int]]] = []
+
+
+class KVUnpack(msgspec.Struct, tag="unpack"):
+    """Scatter a staged request's KV (written by a prefill instance of ``src_tp``
+    ranks) into ``block_ids`` of every rank's paged cache, all layers."""
+
+    staging_block: int
+    block_ids: list[int]
+    src_tp: int
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+@dataclass(slots=True)
+class StepKV:
+    """Worker-side KV-connector work for one step (what a ``layer_hook_factory`` returns).
+
+    layer_hook: rank 0, called with layer l once every rank stored (and packed) layer
+        l's K/V: right after the store at TP=1; at TP>1 when layer l+1 starts (the
+        row-parallel all-reduces of layer l order it after every rank's store) or,
+        for the last layer, after the forward.
+    kv_packs: see ``StepInput.kv_packs``.
+    """
+
+    layer_hook: Callable[[int], None] | None = None
+    kv_packs: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
 _CODEC_ENCODER = msgspec.msgpack.Encoder()
-_CODEC_DECODER = msgspec.msgpack.Decoder(StepInput | Shutdown)
+_CODEC_DECODER = msgspec.msgpack.Decoder(StepInput | KVUnpack | Shutdown)
 
 
 def build_step_input(out: SchedulerOutput, block_size: int) -> tuple[StepInput, torch.Tensor | None]:
@@ -106,11 +136,15 @@ class ModelRunner:
     """Holds one TP rank's model shard and KV cache.
 
     k_cache / v_cache: [num_layers, num_blocks, block_size, num_kv_heads / tp, head_dim].
+    ``staging``: the instance's staging pool (``epd.transfer.staging``), mapped by
+    every rank, or None when the instance moves KV block to block only.
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0, dist_port: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_port: int | None = None,
+                 staging=None) -> None:
         self.config = config
         self.rank = rank
+        self.staging = staging
         self.device = torch.device(config.device if config.device == "cpu" else f"cuda:{rank}")
         tp = config.tensor_parallel_size
         if tp > 1:
@@ -138,6 +172,8 @@ class ModelRunner:
         for i, layer in enumerate(attn_layers):
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
             layer.layer_idx = i
+        if tp > 1:
+            dist.barrier()  # every rank mapped the staging file: rank 0 may unlink it
 
     # ---- rank 0 -------------------------------------------------------
     def execute(self, step: StepInput, mm_embeds: torch.Tensor | None = None,
@@ -156,6 +192,20 @@ class ModelRunner:
         self.in_step = False
         return out
 
+    def unpack_kv(self, staging_block: int, block_ids: list[int], src_tp: int) -> None:
+        """Scatter a request's staged KV (every layer) into ``block_ids`` of every
+        rank's cache, each rank taking its own head slice; returns when all ranks
+        are done. The staging region is laid out by ``src_tp`` prefill ranks
+        (``epd.kernels.kv_staging``)."""
+        msg = KVUnpack(staging_block, list(block_ids), src_tp)
+        self.in_step = True
+        if self.config.tensor_parallel_size > 1:
+            _broadcast_message(msg)
+        self._unpack(msg)
+        if self.config.tensor_parallel_size > 1:
+            dist.barrier()
+        self.in_step = False
+
     def shutdown(self) -> bool:
         """Tell the other TP ranks to exit. Returns False when they cannot be told
         (a step was interrupted, so they wait in a collective): kill them instead."""
@@ -167,6 +217,44 @@ class ModelRunner:
         return True
 
     # ---- every rank ---------------------------------------------------
+    def _staged(self, layer: int, start: int, n: int, src_tp: int) -> torch.Tensor:
+        view = self.staging.view(layer, start, n)
+        return view.view(staging_shape(src_tp, n, self.config.block_size, self.config.num_kv_heads,
+                                       self.config.head_dim))
+
+    def _pack(self, layer: int, packs: list[tuple[int, list[int]]]) -> None:
+        tp = self.config.tensor_parallel_size
+        for start, ids in packs:
+            part = self._staged(layer, start, len(ids), tp)[self.rank]
+            pack_kv(self.k_cache[layer], self.v_cache[layer], torch.tensor(ids, device=self.device), part)
+
+    @torch.inference_mode()
+    def _unpack(self, msg: KVUnpack) -> None:
+        ids = torch.tensor(msg.block_ids, device=self.device)
+        heads = self.k_cache.shape[3]
+        for layer in range(self.k_cache.shape[0]):
+            src = self._staged(layer, msg.staging_block, len(msg.block_ids), msg.src_tp)
+            unpack_kv(src, self.k_cache[layer], self.v_cache[layer], ids, self.rank * heads)
+
+    def _layer_hook(self, step: StepInput, user: Callable[[int], None] | None) -> Callable[[int], None] | None:
+        """Per-layer work of this rank: pack (every rank), then the rank-0 hook
+        (deferred by one layer at TP>1, see ``StepKV``)."""
+        packs = step.kv_packs
+        if not packs and user is None:
+            return None
+        deferred = self.config.tensor_parallel_size > 1
+
+        def hook(layer: int) -> None:
+            if packs:
+                self._pack(layer, packs)
+            if user is not None:
+                if not deferred:
+                    user(layer)
+                elif layer > 0:
+                    user(layer - 1)
+
+        return hook
+
     @torch.inference_mode()
     def _run(self, step: StepInput, mm_embeds: torch.Tensor | None = None,
              layer_hook: Callable[[int], None] | None = None) -> torch.Tensor | None:
@@ -190,10 +278,12 @@ class ModelRunner:
             if step.num_decode_tokens else None,
             prefills=[PrefillChunk(q0, n, ctx, torch.tensor(bt, dtype=torch.int32, device=dev))
                       for q0, n, ctx, bt in step.prefills],
-            layer_hook=layer_hook,
+            layer_hook=self._layer_hook(step, layer_hook),
         )
         with set_attention_metadata(md):
             hidden = self.model(input_ids, positions, inputs_embeds)
+        if layer_hook is not None and self.config.tensor_parallel_size > 1:
+            layer_hook(self.k_cache.shape[0] - 1)
         if not step.logits_indices:
             return None
         hidden = hidden[torch.tensor(step.logits_indices, dtype=torch.long, device=dev)]
@@ -230,16 +320,47 @@ def engine_config_to_json(config: EngineConfig) -> str:
     return json.dumps({f: getattr(config, f) for f in fields})
 
 
-def tp_worker_main(config_json: str, rank: int, dist_port: int, threads: int | None = None) -> None:
-    """Entry point of TP rank ``rank`` > 0: serve steps until Shutdown."""
+def _die_with_parent() -> None:
+    """SIGKILL this process when the process that spawned it dies (Linux PDEATHSIG):
+    a TP rank never outlives its instance's rank 0, however rank 0 ends."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # rank 0 died before prctl took effect
+        os._exit(1)
+
+
+def tp_worker_main(config_json: str, rank: int, dist_port: int, threads: int | None = None,
+                   staging_args: tuple | None = None) -> None:
+    """Entry point of TP rank ``rank`` > 0: serve steps until Shutdown.
+
+    ``staging_args``: ``(num_layers, num_blocks, block_elems, shm_path)`` of rank 0's
+    staging pool, mapped here (see ``epd.transfer.staging``)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     if threads:
         torch.set_num_threads(threads)
     config = EngineConfig(**json.loads(config_json))
-    runner = ModelRunner(config, rank, dist_port)
+    staging = None
+    if staging_args is not None:
+        from epd.transfer.staging import StagingPool
+
+        layers, blocks, elems, path = staging_args
+        staging = StagingPool(layers, blocks, elems, config.torch_dtype, shm_path=path, create=False)
+    runner = ModelRunner(config, rank, dist_port, staging)
     while True:
         msg = _receive_message()
         if isinstance(msg, Shutdown):
             break
+        if isinstance(msg, KVUnpack):
+            runner._unpack(msg)
+            dist.barrier()
+            continue
         mm_embeds = None
         if msg.mm_rows:
             rows = sum(n for _, n in msg.mm_rows)
