@@ -209,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--seed", type=int, default=0)
     ct.add_argument("--force", action="store_true", help="write into a non-empty directory")
     ct.set_defaults(func=cmd_create_tiny)
+
+    from epd.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)  # `epd bench`: the serving benchmark (epd/bench/)
     return parser
 
 
