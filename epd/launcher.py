@@ -202,12 +202,18 @@ class Launcher:
         log_dir: when set, each worker's stdout+stderr go to
             ``<log_dir>/<instance_id>-rank<rank>.log`` instead of this process's.
         ignore_sigint_in_children: children ignore SIGINT (see module doc).
+        rank0_spawns_ranks: start only rank 0 of each instance: ``epd worker`` rank 0
+            spawns ranks 1..tp-1 itself (its engine's ModelRunner processes, which
+            die with it by PDEATHSIG and share its staging memory), so the launcher
+            supervises one process per instance. ``slots`` still lists every rank
+            (devices, thread shares). ``epd launch`` uses this.
     """
 
     def __init__(self, plan: list[PoolSpec], *, model: str | None, router_endpoint: str,
                  threads_per_worker: int | None, extra_worker_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, worker_cmd: WorkerCmd | None = None,
-                 log_dir: str | os.PathLike | None = None, ignore_sigint_in_children: bool = True):
+                 log_dir: str | os.PathLike | None = None, ignore_sigint_in_children: bool = True,
+                 rank0_spawns_ranks: bool = False):
         self.plan = list(plan)
         self.model = model
         self.router_endpoint = router_endpoint
@@ -216,6 +222,7 @@ class Launcher:
         self.worker_cmd = worker_cmd
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.ignore_sigint_in_children = ignore_sigint_in_children
+        self.rank0_spawns_ranks = rank0_spawns_ranks
         self.slots = self._layout(self.plan)
         self.threads_per_worker = threads_per_worker or default_threads_per_worker(len(self.slots))
         if self.threads_per_worker < 1:
@@ -317,6 +324,8 @@ class Launcher:
             for slot in self.slots:
                 if self._stopping:  # a signal handler stopped us meanwhile
                     break
+                if slot.rank and self.rank0_spawns_ranks:
+                    continue
                 self.workers.append(self._spawn(slot))
             if self._stopping:
                 self.stop()
@@ -390,6 +399,23 @@ class Launcher:
             self._kill_descendants(descendants)
             self._stopped = True
 
+    def terminate(self, wp: WorkerProcess, timeout_s: float = 5.0) -> None:
+        """Stop one worker: SIGTERM, SIGKILL after ``timeout_s``, reap it and kill its
+        descendants (e.g. the surviving ranks of a TP instance being restarted whole)."""
+        with self._lock:
+            if wp.returncode is not None:
+                return
+            descendants = self._descendants([wp])
+            self._signal(wp.popen, signal.SIGTERM)
+            try:
+                rc = wp.popen.wait(timeout=max(0.0, timeout_s))
+            except subprocess.TimeoutExpired:
+                self._signal(wp.popen, signal.SIGKILL)
+                rc = wp.popen.wait(timeout=5.0)
+            self._reaped(wp, rc)
+            self._reported.add(wp.pid)
+            self._kill_descendants(descendants)
+
     def kill(self) -> None:
         """SIGKILL every live worker and reap it (the impatient second Ctrl-C)."""
         with self._lock:
@@ -438,6 +464,11 @@ class Launcher:
     @property
     def stopped(self) -> bool:
         return self._stopped
+
+    @property
+    def stopping(self) -> bool:
+        """stop() or kill() has begun: exited workers are not restarted any more."""
+        return self._stopping
 
     # ---------------------------------------------------------------- signals
     def install_signal_handlers(self, on_stop: Callable[[], None]) -> None:

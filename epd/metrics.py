@@ -69,13 +69,23 @@ class Metrics:
         kv_transfer_bytes: bytes of KV cache moved P -> D (``epd_kv_transfer_bytes_total``).
         kv_transfer_failures: KV transfers that failed or timed out.
         kv_transfer_retries: KV transfers retried.
+        kv_transfer_requests: NIXL READ/WRITE requests a worker posted (per request: one
+            per layer for a P -> D KV transfer, staged or direct).
         preemptions: sequences preempted (KV blocks freed, to be recomputed).
         cancelled_requests: requests cancelled (client disconnect or abort).
         migrated_requests: requests migrated off a dead or drained D worker.
+        request_retries: requests restarted on another instance (labels: the pool and
+            instance that failed) after a worker died, hung or reported a retryable error.
+        worker_failures: worker processes found dead (exited, or silent past the
+            heartbeat timeout), by pool and instance.
+        worker_restarts: worker processes restarted by the launcher.
         prefix_cache_queries_tokens: prompt tokens looked up in the prefix cache.
         prefix_cache_hits_tokens: of those, tokens whose KV was reused.
         encoder_cache_queries: multimodal items looked up in the encoder (embedding) cache.
         encoder_cache_hits: of those, items whose embedding was reused.
+        routing_decisions: requests the router sent to an instance, with a third
+            label ``policy`` (the pool's routing policy: kv, free-kv, media-affinity,
+            least-loaded, round-robin); ``epd_routing_decisions_total``.
 
     Gauges (``livemax``: the value of the instance's live processes, see below):
         kv_cache_usage_ratio: used / total KV blocks of the instance, 0..1.
@@ -108,13 +118,18 @@ class Metrics:
     kv_transfer_bytes: object
     kv_transfer_failures: object
     kv_transfer_retries: object
+    kv_transfer_requests: object
     preemptions: object
     cancelled_requests: object
     migrated_requests: object
+    request_retries: object
+    worker_failures: object
+    worker_restarts: object
     prefix_cache_queries_tokens: object
     prefix_cache_hits_tokens: object
     encoder_cache_queries: object
     encoder_cache_hits: object
+    routing_decisions: object
     kv_cache_usage_ratio: object
     queue_depth: object
     running_requests: object
@@ -148,9 +163,14 @@ _COUNTERS = {
     "kv_transfer_bytes": ("epd_kv_transfer_bytes", "KV cache bytes transferred P -> D"),
     "kv_transfer_failures": ("epd_kv_transfer_failures", "KV transfers that failed or timed out"),
     "kv_transfer_retries": ("epd_kv_transfer_retries", "KV transfers retried"),
+    "kv_transfer_requests": ("epd_kv_transfer_requests", "NIXL READ/WRITE requests posted"),
     "preemptions": ("epd_preemptions", "Sequences preempted"),
     "cancelled_requests": ("epd_cancelled_requests", "Requests cancelled"),
     "migrated_requests": ("epd_migrated_requests", "Requests migrated to another decode worker"),
+    "request_retries": ("epd_request_retries",
+                        "Requests restarted on another instance after a worker of this pool died, hung or failed"),
+    "worker_failures": ("epd_worker_failures", "Worker processes of this pool found dead or unresponsive"),
+    "worker_restarts": ("epd_worker_restarts", "Worker processes of this pool restarted by the launcher"),
     "prefix_cache_queries_tokens": ("epd_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits_tokens": ("epd_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache"),
     "encoder_cache_queries": ("epd_encoder_cache_queries", "Multimodal items looked up in the encoder cache"),
@@ -249,6 +269,8 @@ def get_metrics() -> Metrics:
             objs[field] = Histogram(name, doc, LABELS, buckets=buckets, registry=_registry)
         for field, (name, doc) in _COUNTERS.items():
             objs[field] = Counter(name, doc, LABELS, registry=_registry)
+        objs["routing_decisions"] = Counter("epd_routing_decisions", "Requests routed to an instance, by policy",
+                                            (*LABELS, "policy"), registry=_registry)
         for field, (name, doc, mode) in _GAUGES.items():
             objs[field] = Gauge(name, doc, LABELS, multiprocess_mode=mode, registry=_registry)
         _metrics_dir = multiprocess_dir()

@@ -64,6 +64,18 @@ class PoolRegistry:
         if w is not None:
             w.last_seen = time.monotonic()
 
+    def is_alive(self, w: WorkerHandle) -> bool:
+        """``w`` is still the registered incarnation of its instance (not replaced by a
+        restart) and heard from within the heartbeat timeout."""
+        return (self.workers.get(w.instance_id) is w
+                and time.monotonic() - w.last_seen <= self.heartbeat_timeout_s)
+
+    def mark_dead(self, instance_id: str) -> None:
+        """Treat ``instance_id`` as dead now (its process exited) until it reports again."""
+        w = self.workers.get(instance_id)
+        if w is not None:
+            w.last_seen = float("-inf")
+
     def alive(self, role: str | None = None) -> list[WorkerHandle]:
         now = time.monotonic()
         return [w for w in self.workers.values()

@@ -2,12 +2,70 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+#: seconds between the launcher's checks for exited workers
+MONITOR_S = 0.25
+
+
+async def supervise(launcher, router, max_restarts: int, poll_s: float = MONITOR_S) -> None:
+    """Watch the worker processes while serving: a worker that exits is marked dead
+    in the router at once (its in-flight requests retry or migrate without waiting
+    for the heartbeat timeout) and restarted, up to ``max_restarts`` times per
+    instance; the restarted worker rejoins under the same instance id when it
+    reports ready. The ranks of a TP instance are restarted together."""
+    from epd import metrics
+
+    m = metrics.get_metrics()
+    restarts: dict[str, int] = {}
+    while True:
+        await asyncio.sleep(poll_s)
+        try:
+            dead = launcher.poll_dead()
+            if not dead or launcher.stopping:
+                continue
+            for inst in dict.fromkeys(wp.instance_id for wp in dead):
+                procs = [wp for wp in dead if wp.instance_id == inst]
+                wp = procs[0]
+                print(f"epd: worker {wp.describe()} exited; requests on it retry or migrate", file=sys.stderr,
+                      flush=True)
+                router.mark_dead(inst)
+                m.worker_failures.labels(pool=wp.role, instance=inst).inc()
+                if restarts.get(inst, 0) >= max_restarts:
+                    print(f"epd: not restarting {inst} (restarted {restarts.get(inst, 0)} times, "
+                          f"--max-worker-restarts {max_restarts})", file=sys.stderr, flush=True)
+                    continue
+                restarts[inst] = restarts.get(inst, 0) + 1
+                siblings = [w for w in launcher.live_workers() if w.instance_id == inst]
+                for w in siblings:  # a TP instance is only whole with all its ranks
+                    launcher.terminate(w)
+                for w in procs + siblings:
+                    launcher.restart(w)
+                m.worker_restarts.labels(pool=wp.role, instance=inst).inc()
+                print(f"epd: restarted {inst} ({restarts[inst]}/{max_restarts})", file=sys.stderr, flush=True)
+        except Exception:  # supervision must outlive any one failure
+            logger.exception("worker supervision")
+
+
+def api_settings(args):
+    """``ApiSettings`` from ``epd launch``'s API flags; the key falls back to ``$EPD_API_KEY``."""
+    import os
+
+    from epd.api.server import ApiSettings
+
+    domains = [d for d in (getattr(args, "allowed_media_domains", None) or "").split(",") if d.strip()]
+    return ApiSettings(api_key=getattr(args, "api_key", None) or os.environ.get("EPD_API_KEY") or None,
+                       max_body_bytes=int(getattr(args, "max_body_mb", 64) * 2**20),
+                       max_pending_requests=getattr(args, "max_pending_requests", 256),
+                       max_n=getattr(args, "max_n", 8), allowed_media_domains=tuple(domains),
+                       media_fetch_timeout_s=getattr(args, "media_fetch_timeout", 10.0),
+                       max_media_bytes=int(getattr(args, "max_media_mb", 20) * 2**20))
 
 
 async def serve(plan, model_dir: Path, args, t0: float, worker_args: list[str]) -> int:
@@ -25,12 +83,19 @@ async def serve(plan, model_dir: Path, args, t0: float, worker_args: list[str]) 
     from epd.router.router import Router
 
     metrics.setup_multiprocess_dir()
-    router = Router(port=args.router_port)
+    router = Router(port=args.router_port, stage_timeout_s=getattr(args, "stage_timeout", 120.0),
+                    token_timeout_s=getattr(args, "token_timeout", 120.0),
+                    max_retries=getattr(args, "max_retries", 2),
+                    kv_failure_policy=getattr(args, "kv_failure_policy", "retry"),
+                    encode_routing=getattr(args, "encode_routing", None),
+                    prefill_routing=getattr(args, "prefill_routing", None),
+                    decode_routing=getattr(args, "decode_routing", None),
+                    kv_overlap_weight=getattr(args, "kv_overlap_weight", 1.0))
     await router.start()
     num_procs = sum(p.devices for p in plan)
     threads = args.threads_per_worker or default_threads_per_worker(num_procs)
     launcher = Launcher(plan, model=str(model_dir), router_endpoint=router.endpoint, threads_per_worker=threads,
-                        extra_worker_args=worker_args)
+                        extra_worker_args=worker_args, rank0_spawns_ranks=True)
     try:
         launcher.start()
 
@@ -50,13 +115,18 @@ async def serve(plan, model_dir: Path, args, t0: float, worker_args: list[str]) 
         max_model_len = args.max_model_len or text_cfg.max_position_embeddings
         model_name = args.model or "SmolLM2-135M-Instruct"
         app = build_app(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
-                        metrics_render=metrics.render_latest, metrics=metrics.get_metrics())
+                        metrics_render=metrics.render_latest, metrics=metrics.get_metrics(),
+                        settings=api_settings(args), vocab_size=text_cfg.vocab_size)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
         server = uvicorn.Server(config)
         pools = ",".join(f"{p.role}:{p.devices}" for p in plan)
         print(f"epd: serving {model_name} on http://{args.host}:{args.port} (pools {pools}; "
               f"ready in {time.monotonic() - t0:.1f} s)", flush=True)
-        await server.serve()
+        supervisor = asyncio.create_task(supervise(launcher, router, getattr(args, "max_worker_restarts", 5)))
+        try:
+            await server.serve()
+        finally:
+            supervisor.cancel()
         return 0
     except (RuntimeError, TimeoutError) as e:
         print(f"epd launch: {e}", file=sys.stderr)

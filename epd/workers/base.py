@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,10 @@ from epd.messages import (Abort, Heartbeat, Message, MessageError, PeerInfo, Reg
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.25
+#: A heartbeat-thread tick later than this means the whole process was frozen
+#: (SIGSTOP, a suspended VM): the router, whose liveness timeout is 2 s, may have
+#: declared it dead and retried its requests elsewhere, so in-flight work is fenced.
+FREEZE_S = 1.5
 
 
 @dataclass(slots=True)
@@ -41,6 +46,7 @@ class WorkerArgs:
     engine_kwargs: dict = field(default_factory=dict)
     kv_timeout_s: float = 30.0
     embedding_buffer_mb: int = 256
+    kv_staging_mb: int = 0  # staging pool for heterogeneous-TP KV transfers (0: none)
 
 
 class BaseWorker:
@@ -72,6 +78,11 @@ class BaseWorker:
         self.metrics = get_metrics()
         self.labels = {"pool": self.role, "instance": self.instance_id}
         self._counted: dict[str, float] = {}
+        self._last_hb: Heartbeat | None = None
+        self._last_tick = time.monotonic()
+        self._frozen_at = 0.0
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
 
     # ---- messaging --------------------------------------------------------------
     def send(self, msg: Message) -> None:
@@ -81,9 +92,42 @@ class BaseWorker:
         self.send(WorkerReady(self.role, self.instance_id, os.getpid(), self.cmd_endpoint, self.transport.metadata(),
                               regions, kv_layout, time.monotonic() - self.t0))
 
+    # ---- liveness ---------------------------------------------------------------------
+    def _beat_loop(self) -> None:
+        """Heartbeat thread: repeats the main loop's latest load report every
+        ``HEARTBEAT_S`` on its own socket, so a long engine step (a big prefill
+        chunk, a Whisper pass) never looks like a dead worker, while a killed or
+        frozen process goes silent. Notes when the process itself was frozen."""
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.args.router)
+        try:
+            while not self._beat_stop.wait(HEARTBEAT_S):
+                now = time.monotonic()
+                if now - self._last_tick > FREEZE_S:
+                    self._frozen_at = now
+                self._last_tick = now
+                hb = self._last_hb
+                if hb is not None:
+                    try:
+                        sock.send(encode(hb), zmq.NOBLOCK)
+                    except zmq.Again:  # router not reachable right now: the next beat tries again
+                        pass
+        except zmq.ZMQError:  # context terminated: the worker is closing
+            pass
+        finally:
+            sock.close(0)
+
+    def frozen_since(self, t: float) -> bool:
+        """True when the process was frozen for more than ``FREEZE_S`` after monotonic
+        time ``t`` (or is only now waking up from it): work begun before then may have
+        been retried elsewhere by the router and must not touch a peer any more."""
+        return self._frozen_at > t or time.monotonic() - self._last_tick > FREEZE_S
+
     def handle(self, msg: Message) -> None:
         if isinstance(msg, PeerInfo):
-            if msg.instance_id not in self.peers:
+            old = self.peers.get(msg.instance_id)
+            if old is None or old.nixl_metadata != msg.nixl_metadata:  # new, or restarted under the same id
                 self.transport.add_peer(msg.nixl_metadata, msg.regions)
             self.peers[msg.instance_id] = msg
         elif isinstance(msg, Abort):
@@ -141,8 +185,10 @@ class BaseWorker:
     def load(self) -> Heartbeat:
         s = self.stats()
         self.update_metrics(s)
-        return Heartbeat(self.instance_id, int(s.get("num_running", 0)), int(s.get("num_waiting", 0)),
-                         int(s.get("num_free_blocks", 0)), int(s.get("num_blocks", 0)))
+        hb = Heartbeat(self.instance_id, int(s.get("num_running", 0)), int(s.get("num_waiting", 0)),
+                       int(s.get("num_free_blocks", 0)), int(s.get("num_blocks", 0)))
+        self._last_hb = hb  # the heartbeat thread repeats it while the loop is busy
+        return hb
 
     # ---- loop -----------------------------------------------------------------------
     def run(self) -> None:
@@ -152,6 +198,9 @@ class BaseWorker:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
         last_hb = 0.0
+        self._last_tick = time.monotonic()
+        self._beat_thread = threading.Thread(target=self._beat_loop, name="epd-heartbeat", daemon=True)
+        self._beat_thread.start()
         try:
             while self.running:
                 busy = self.has_work()
@@ -188,6 +237,9 @@ class BaseWorker:
                     self.send(RequestFailed(rid, self.instance_id, f"{type(e).__name__}: {e}"))
 
     def close(self) -> None:
+        self._beat_stop.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join(2 * HEARTBEAT_S + 1)
         try:
             self.transport.close()
         finally:

@@ -41,6 +41,18 @@ class Server:
 
         return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
 
+    def worker_process(self, instance_id: str, rank: int = 0) -> psutil.Process:
+        """The live process of worker ``instance_id`` (TP rank ``rank``)."""
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                cmd = p.cmdline()
+            except psutil.Error:
+                continue
+            if "--instance-id" in cmd and cmd[cmd.index("--instance-id") + 1] == instance_id and (
+                    "--rank" not in cmd or cmd[cmd.index("--rank") + 1] == str(rank)):
+                return p
+        raise LookupError(f"no live worker process {instance_id} rank {rank}")
+
     def workers(self) -> dict:
         import httpx
 
@@ -48,9 +60,9 @@ class Server:
 
 
 @contextlib.contextmanager
-def launch(model: str | None, pools: str | None, *extra: str, timeout_s: float = 400.0):
+def launch(model: str | None, pools: str | None, *extra: str, timeout_s: float = 400.0, env: dict | None = None):
     """Run `epd launch` until it prints that it serves; stop it (SIGINT) afterwards
-    and check that no worker process outlives it."""
+    and check that no worker process outlives it. ``env``: extra environment variables."""
     port = _free_port()
     cmd = [sys.executable, "-m", "epd.cli", "launch", "--port", str(port), *extra]
     if pools is not None:
@@ -58,7 +70,7 @@ def launch(model: str | None, pools: str | None, *extra: str, timeout_s: float =
     if model is not None:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     lines: list[str] = []
     ready = threading.Event()
 
@@ -80,6 +92,8 @@ def launch(model: str | None, pools: str | None, *extra: str, timeout_s: float =
     try:
         yield server
     finally:
+        with contextlib.suppress(psutil.Error):  # restarted workers too
+            children += [c for c in psutil.Process(proc.pid).children(recursive=True) if c not in children]
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(60)
