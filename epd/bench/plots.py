@@ -34,6 +34,7 @@ def plot_cdfs(results: list[tuple[str, dict]], path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for ax, (key, title) in zip(axes.flat, _METRICS):
@@ -47,6 +48,7 @@ def plot_cdfs(results: list[tuple[str, dict]], path: str | Path) -> Path:
             if slo:
                 ax.axvline(slo, color="k", ls="--", lw=0.8)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(f"{title} (s)")
         ax.set_ylabel("fraction of requests" if key != "itls_s" else "fraction of gaps")
         ax.set_title(title)

@@ -109,7 +109,10 @@ async def _discover(cfg: BenchConfig, client) -> tuple[str, int | None, int, str
 
     model, mml = cfg.model, cfg.max_model_len
     if model is None or mml is None:
-        models = await client.models.list()
+        try:
+            models = await client.models.list()
+        except Exception as e:  # openai.APIConnectionError, APIStatusError, ...
+            raise RuntimeError(f"cannot list models at {api_base(cfg.base_url)}/models: {type(e).__name__}: {e}") from None
         if not models.data:
             raise RuntimeError(f"{cfg.base_url}: /v1/models lists no model")
         first = models.data[0]
