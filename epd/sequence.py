@@ -34,6 +34,16 @@ class MultiModalPlaceholder:
     item_hash: str
 
 
+def placeholder_keys(placeholders, block_index: int, block_size: int) -> tuple[str, ...]:
+    """Item hashes of the ``placeholders`` (anything with ``offset``, ``length``,
+    ``item_hash``: ``MultiModalPlaceholder`` or the wire ``Placeholder``) whose
+    span overlaps tokens [block_index * block_size, (block_index + 1) * block_size)."""
+    if not placeholders:
+        return ()
+    start, end = block_index * block_size, (block_index + 1) * block_size
+    return tuple(p.item_hash for p in placeholders if p.offset < end and p.offset + p.length > start)
+
+
 _seq_counter = itertools.count()
 
 
@@ -74,6 +84,8 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        # One TokenLogprobs per sampled output token when params.logprobs is set.
+        self.output_logprobs: list = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -96,8 +108,4 @@ class Sequence:
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple[str, ...]:
         """Media item hashes whose placeholder span overlaps block ``block_index``."""
-        if not self.mm_placeholders:
-            return ()
-        start, end = block_index * block_size, (block_index + 1) * block_size
-        return tuple(p.item_hash for p in self.mm_placeholders
-                     if p.offset < end and p.offset + p.length > start)
+        return placeholder_keys(self.mm_placeholders, block_index, block_size)

@@ -1,24 +1,278 @@
-"""Routing policies: which instance of a pool gets a request."""
+"""Routing policies: which instance of a pool gets a request.
+
+One policy object per pool, chosen by ``epd launch`` flags
+(``--encode-routing``, ``--prefill-routing``, ``--decode-routing``; the
+aggregated ``pd`` pool follows ``--prefill-routing``):
+
+- ``round-robin``: live instances in instance-id order, in turn.
+- ``least-loaded``: fewest open requests routed there, then fewest running +
+  waiting sequences in its last heartbeat, then most free KV blocks.
+- ``kv`` (prefill / pd): lowest cost = overlap weight x blocks still to prefill
+  there + the blocks of the requests already open there, where the overlap
+  comes from the prefix index of reported KV cache events
+  (``epd.router.kv_index``); after NVIDIA Dynamo's KV router.
+- ``free-kv`` (decode): most free KV blocks after the reservations routed there
+  since its last heartbeat, then smallest running batch.
+- ``media-affinity`` (encode): rendezvous (highest-random-weight) hashing of the
+  request's first media item hash over the live encoders, so a repeated image
+  or clip lands on the encoder whose cache holds its embedding; least-loaded
+  when that encoder is overloaded or the request has no items.
+
+Every policy is deterministic: ties break on the instance id.
+"""
 
 from __future__ import annotations
 
+from collections import deque
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from epd.router.kv_index import KVIndex, request_block_hashes
 from epd.router.registry import WorkerHandle
+
+if TYPE_CHECKING:
+    from epd.router.router import RouterRequest
+
+#: policy names each pool accepts; the first is the default
+POLICIES: dict[str, tuple[str, ...]] = {
+    "encode": ("media-affinity", "least-loaded", "round-robin"),
+    "prefill": ("kv", "least-loaded", "round-robin"),
+    "pd": ("kv", "least-loaded", "round-robin"),
+    "decode": ("free-kv", "least-loaded", "round-robin"),
+}
 
 
 class NoInstanceError(RuntimeError):
     """No live instance in a pool: requests fail fast (HTTP 503) instead of waiting."""
 
 
+def _busy(w: WorkerHandle) -> int:
+    return (w.load.num_running + w.load.num_waiting) if w.load else 0
+
+
 def least_loaded(workers: list[WorkerHandle]) -> WorkerHandle:
     """The instance with the fewest requests routed to it and still open, then
-    the fewest running+waiting sequences in its last heartbeat, then most free blocks."""
+    the fewest running+waiting sequences in its last heartbeat, then most free blocks.
+
+    Raises:
+        NoInstanceError: ``workers`` is empty.
+    """
     if not workers:
         raise NoInstanceError("no live instance")
 
     def key(w: WorkerHandle):
-        load = w.load
-        busy = (load.num_running + load.num_waiting) if load else 0
-        free = load.num_free_blocks if load else 0
-        return (w.inflight, busy, -free, w.instance_id)
+        free = w.load.num_free_blocks if w.load else 0
+        return (w.inflight, _busy(w), -free, w.instance_id)
 
     return min(workers, key=key)
+
+
+class RoutingPolicy:
+    """Picks one of a pool's live instances for a request."""
+
+    name = "base"
+
+    def select(self, workers: list[WorkerHandle], req: RouterRequest | None = None) -> WorkerHandle:
+        """One of ``workers`` (the pool's live instances) for ``req``.
+
+        Raises:
+            NoInstanceError: ``workers`` is empty.
+        """
+        raise NotImplementedError
+
+
+class LeastLoaded(RoutingPolicy):
+    name = "least-loaded"
+
+    def select(self, workers, req=None):
+        return least_loaded(workers)
+
+
+class RoundRobin(RoutingPolicy):
+    """Live instances sorted by id, taken in turn (a dead one is skipped, not waited for)."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, workers, req=None):
+        if not workers:
+            raise NoInstanceError("no live instance")
+        ordered = sorted(workers, key=lambda w: w.instance_id)
+        w = ordered[self._next % len(ordered)]
+        self._next += 1
+        return w
+
+
+class KVAwarePrefill(RoutingPolicy):
+    """Lowest ``overlap_weight x new_blocks + open_blocks`` (Dynamo's KV router cost).
+
+    ``new_blocks``: the request's KV blocks (ceil(prompt tokens / block size))
+    minus the leading blocks the instance already caches, per the prefix index
+    (reported, or predicted from the requests routed there; the chosen
+    instance's prediction is recorded on each pick).
+    ``open_blocks``: prompt blocks of the requests routed to the instance that
+    are still open there (the router's ``inflight`` count of them, newest
+    kept: requests in a prefill pool finish about in arrival order), the
+    load term in the same unit. Ties: fewer open blocks, fewer open requests,
+    fewer requests routed there so far (spreads new prefixes over the pool
+    without waiting for the first one's KV events), instance id.
+    Without block size or prompt (e.g. a transcription) it is least-loaded.
+    """
+
+    name = "kv"
+
+    def __init__(self, index: KVIndex, overlap_weight: float = 1.0) -> None:
+        if overlap_weight < 0:
+            raise ValueError(f"kv overlap weight must be >= 0, got {overlap_weight}")
+        self.index = index
+        self.overlap_weight = overlap_weight
+        self._open: dict[str, deque[int]] = {}
+        self._routed: dict[str, int] = {}
+
+    def open_blocks(self, w: WorkerHandle) -> int:
+        """Blocks of the requests still open on ``w`` (router view)."""
+        q = self._open.get(w.instance_id)
+        if not q:
+            return 0
+        while len(q) > max(w.inflight, 0):
+            q.popleft()
+        return sum(q)
+
+    def costs(self, workers: list[WorkerHandle], req: RouterRequest,
+              chains: dict[int, list[bytes]] | None = None) -> dict[str, tuple[float, int, int]]:
+        """Per instance: (cost, request blocks on that instance's block size, overlap blocks).
+        ``chains``: filled with the request's hash chain per block size."""
+        chains = {} if chains is None else chains
+        out = {}
+        for w in workers:
+            self.index.sync_pid(w.instance_id, w.info.pid)
+        for w in workers:
+            layout = w.info.kv_layout
+            bs = layout.block_size if layout is not None else 0
+            total = -(-len(req.prompt_token_ids) // bs) if bs else 0
+            overlap = 0
+            if bs:
+                if bs not in chains:
+                    chains[bs] = request_block_hashes(req.prompt_token_ids, bs, req.placeholders)
+                overlap = self.index.overlap(chains[bs], [w.instance_id])[w.instance_id]
+            out[w.instance_id] = (self.overlap_weight * (total - overlap) + self.open_blocks(w), total, overlap)
+        return out
+
+    def select(self, workers, req=None):
+        if not workers:
+            raise NoInstanceError("no live instance")
+        if req is None or not req.prompt_token_ids:
+            return least_loaded(workers)
+        chains: dict[int, list[bytes]] = {}
+        costs = self.costs(workers, req, chains)
+
+        def key(w: WorkerHandle):
+            return (costs[w.instance_id][0], self.open_blocks(w), w.inflight,
+                    self._routed.get(w.instance_id, 0), w.instance_id)
+
+        w = min(workers, key=key)
+        total, overlap = costs[w.instance_id][1:]
+        self._open.setdefault(w.instance_id, deque()).append(total - overlap)
+        self._routed[w.instance_id] = self._routed.get(w.instance_id, 0) + 1
+        layout = w.info.kv_layout
+        if layout is not None:  # its blocks will be there once it ran (confirmed by its report)
+            self.index.predict(w.instance_id, chains[layout.block_size])
+        return w
+
+
+class FreeKVDecode(RoutingPolicy):
+    """Most free KV blocks after reservations, then smallest running batch.
+
+    Free blocks come from the instance's last heartbeat; the prompt blocks of
+    requests routed to it since its heartbeat last changed are subtracted (their
+    reservations are not in it yet; a worker busy in a long step repeats its
+    previous heartbeat). Block counts use the instance's block size.
+    """
+
+    name = "free-kv"
+
+    def __init__(self) -> None:
+        self._since: dict[str, tuple[object, list[int]]] = {}  # instance -> (heartbeat, blocks routed since it)
+
+    def _pending(self, w: WorkerHandle) -> list[int]:
+        seen = self._since.get(w.instance_id)
+        if seen is None or seen[0] != w.load:
+            seen = (w.load, [])
+            self._since[w.instance_id] = seen
+        return seen[1]
+
+    def free_after_reservations(self, w: WorkerHandle) -> int:
+        free = w.load.num_free_blocks if w.load else 0
+        return free - sum(self._pending(w))
+
+    def select(self, workers, req=None):
+        if not workers:
+            raise NoInstanceError("no live instance")
+
+        def key(w: WorkerHandle):
+            running = (w.load.num_running if w.load else 0) + len(self._pending(w))
+            return (-self.free_after_reservations(w), running, w.inflight, w.instance_id)
+
+        w = min(workers, key=key)
+        layout = w.info.kv_layout
+        if req is not None and layout is not None:
+            self._pending(w).append(-(-len(req.prompt_token_ids) // layout.block_size))
+        return w
+
+
+class MediaAffinity(RoutingPolicy):
+    """Rendezvous hashing on the first media item's hash, so the same item meets the same encoder cache.
+
+    Each live encoder scores xxh3-64(item hash, instance id); the highest wins.
+    When an instance leaves or joins, only the items that scored it highest
+    move. ``overload_slack``: the winner is skipped for least-loaded when it has
+    that many more open requests than the least busy encoder.
+    """
+
+    name = "media-affinity"
+
+    def __init__(self, overload_slack: int = 4) -> None:
+        if overload_slack < 1:
+            raise ValueError(f"overload slack must be >= 1, got {overload_slack}")
+        self.overload_slack = overload_slack
+
+    @staticmethod
+    def score(item_hash: str, instance_id: str) -> int:
+        return xxhash.xxh3_64_intdigest(f"{item_hash}\x1f{instance_id}".encode())
+
+    def select(self, workers, req=None):
+        if not workers:
+            raise NoInstanceError("no live instance")
+        if req is None or not req.items:
+            return least_loaded(workers)
+        item = req.items[0].item_hash
+        w = max(workers, key=lambda w: (self.score(item, w.instance_id), w.instance_id))
+        if w.inflight - min(x.inflight for x in workers) >= self.overload_slack:
+            return least_loaded(workers)
+        return w
+
+
+def build_policy(role: str, name: str | None, kv_index: KVIndex | None = None,
+                 kv_overlap_weight: float = 1.0) -> RoutingPolicy:
+    """The policy ``name`` (None: the pool's default) for pool ``role``.
+
+    Raises:
+        ValueError: unknown role, or a policy the pool does not take.
+    """
+    if role not in POLICIES:
+        raise ValueError(f"unknown pool {role!r}; expected one of {sorted(POLICIES)}")
+    name = name or POLICIES[role][0]
+    if name not in POLICIES[role]:
+        raise ValueError(f"{role} routing {name!r} is not one of {', '.join(POLICIES[role])}")
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-loaded":
+        return LeastLoaded()
+    if name == "kv":
+        return KVAwarePrefill(kv_index if kv_index is not None else KVIndex(), kv_overlap_weight)
+    if name == "free-kv":
+        return FreeKVDecode()
+    return MediaAffinity()

@@ -10,12 +10,13 @@ their hash and stay reusable until evicted in LRU order.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 import numpy as np
 import xxhash
 
-from epd.sequence import Sequence
+from epd.sequence import Sequence, placeholder_keys
 
 
 def hash_block(parent: bytes | None, token_ids: Seq[int], extra_keys: tuple[str, ...] = ()) -> bytes:
@@ -32,6 +33,24 @@ def hash_block(parent: bytes | None, token_ids: Seq[int], extra_keys: tuple[str,
         h.update(b"\x1f")
         h.update(key.encode())
     return h.digest()
+
+
+def iter_block_hashes(token_ids: Seq[int], block_size: int, placeholders=(),
+                      num_blocks: int | None = None) -> Iterator[bytes]:
+    """Yield the hash chain of the full blocks of ``token_ids`` (16-byte xxh3-128 each).
+
+    ``placeholders``: media spans (``offset``, ``length``, ``item_hash``); each
+    block mixes in the item hashes of the spans it overlaps. ``num_blocks``: stop
+    after that many (default: every full block). This is the one definition of a
+    block's identity: the engine's prefix cache and the router's KV index
+    (``epd.router.kv_index``) both hash with it, so their hashes agree.
+    """
+    n = len(token_ids) // block_size if num_blocks is None else num_blocks
+    parent = None
+    for i in range(n):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size],
+                            placeholder_keys(placeholders, i, block_size))
+        yield parent
 
 
 class Block:
@@ -59,6 +78,10 @@ class BlockManager:
         self.cached_blocks: dict[bytes, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        # KV cache event log (off unless ``enable_kv_events``): hash -> cached after
+        # the last change since the previous drain; ``_kv_cleared``: reset in between.
+        self._kv_events: dict[bytes, bool] | None = None
+        self._kv_cleared = False
 
     @property
     def num_blocks(self) -> int:
@@ -75,13 +98,7 @@ class BlockManager:
     # ---- prefix cache -------------------------------------------------
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Hash chain of the first ``num_blocks`` full blocks of ``seq``."""
-        hashes: list[bytes] = []
-        parent = None
-        bs = self.block_size
-        for i in range(num_blocks):
-            parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.block_extra_keys(i, bs))
-            hashes.append(parent)
-        return hashes
+        return list(iter_block_hashes(seq.token_ids, self.block_size, seq.mm_placeholders, num_blocks))
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq`` (full blocks only).
@@ -93,11 +110,8 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[int] = []
-        parent = None
-        bs = self.block_size
-        for i in range(max_blocks):
-            parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.block_extra_keys(i, bs))
-            block_id = self.cached_blocks.get(parent)
+        for block_hash in iter_block_hashes(seq.token_ids, self.block_size, seq.mm_placeholders, max_blocks):
+            block_id = self.cached_blocks.get(block_hash)
             if block_id is None:
                 break
             hit.append(block_id)
@@ -141,6 +155,7 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
+                self._record_kv_event(block.block_hash, False)
             block.block_hash = None
         block.ref_count = 1
         return block_id
@@ -159,7 +174,8 @@ class BlockManager:
                 continue
             parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.block_extra_keys(i, bs))
             block.block_hash = parent
-            self.cached_blocks.setdefault(parent, block.block_id)
+            if self.cached_blocks.setdefault(parent, block.block_id) == block.block_id:
+                self._record_kv_event(parent, True)
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; hashed blocks stay cached until evicted.
@@ -183,3 +199,35 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self._kv_events is not None:
+            self._kv_events.clear()
+            self._kv_cleared = True
+
+    # ---- KV cache events (for KV-aware routing) --------------------------------
+    def enable_kv_events(self) -> None:
+        """Start logging which block hashes enter and leave the prefix cache (workers
+        whose router routes by KV overlap turn this on; the first drain reports the
+        hashes already cached)."""
+        if self._kv_events is None:
+            self._kv_events = dict.fromkeys(self.cached_blocks, True)
+
+    def _record_kv_event(self, block_hash: bytes, stored: bool) -> None:
+        if self._kv_events is not None:
+            self._kv_events.pop(block_hash, None)  # keep the order of last changes
+            self._kv_events[block_hash] = stored
+
+    def drain_kv_events(self) -> tuple[bool, list[bytes], list[bytes]]:
+        """Net prefix-cache changes since the previous drain: ``(cleared, stored, removed)``.
+
+        Applying them in that order (forget everything if ``cleared``, drop
+        ``removed``, add ``stored``) turns the previous state into the current
+        one: each hash appears once, with its last change. Hashes are 16-byte
+        ``iter_block_hashes`` digests. Returns ``(False, [], [])`` when nothing
+        changed or events are off. The log holds at most the hashes touched
+        between two drains.
+        """
+        if not self._kv_events and not self._kv_cleared:
+            return False, [], []
+        events, cleared = self._kv_events, self._kv_cleared
+        self._kv_events, self._kv_cleared = {}, False
+        return (cleared, [h for h, s in events.items() if s], [h for h, s in events.items() if not s])
