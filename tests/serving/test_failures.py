@@ -104,11 +104,12 @@ def _wait_healthy(server: Server, timeout_s: float = 120.0) -> None:
         time.sleep(0.25)
 
 
-def test_decode_killed_mid_stream_migrates_every_request(llama_dir):
-    """SIGKILL the decode worker that streams 8 requests (p:1,d:2): every request
-    completes, token for token equal to the undisturbed run, and the kill shows
-    up as migrations, a worker failure and a restart."""
-    with launch(llama_dir, "p:1,d:2", "--max-num-seqs", "16") as server:
+@pytest.mark.parametrize("pools,role", [("p:1,d:2", "decode"), ("pd:2", "pd")])
+def test_decode_killed_mid_stream_migrates_every_request(llama_dir, pools, role):
+    """SIGKILL the decode (or aggregated) worker that streams 8 requests: every
+    request completes, token for token equal to the undisturbed run, and the kill
+    shows up as migrations, a worker failure and a restart."""
+    with launch(llama_dir, pools, "--max-num-seqs", "16") as server:
         prompts = [_prompt(i) for i in range(8)]
         with ThreadPoolExecutor(8) as pool:
             expected = list(pool.map(lambda p: _complete(server, p), prompts))
@@ -128,13 +129,13 @@ def test_decode_killed_mid_stream_migrates_every_request(llama_dir):
                     for i, p in enumerate(prompts)]
             assert started.wait(120), f"requests did not start streaming: {streamed}"
             stats = server.workers()
-            victim = max(("decode-0", "decode-1"), key=lambda d: stats[d].get("num_running", 0))
+            victim = max((f"{role}-0", f"{role}-1"), key=lambda d: stats[d].get("num_running", 0))
             assert stats[victim]["num_running"] > 0
             server.worker_process(victim).send_signal(signal.SIGKILL)
             got = [f.result(timeout=300) for f in futs]
         assert max(streamed) < LONG  # the kill really happened mid-stream
         assert got == expected
-        assert _metric(server, "epd_migrated_requests_total", pool="decode", instance=victim) >= 1
+        assert _metric(server, "epd_migrated_requests_total", pool=role, instance=victim) >= 1
         assert _metric(server, "epd_worker_failures_total", instance=victim) >= 1
         _wait_healthy(server)
         assert _metric(server, "epd_worker_restarts_total", instance=victim) == 1
