@@ -597,6 +597,9 @@ class RealtimeSession:
                     items.append(item)
         else:
             items = list(self.items)
+        if not items:
+            raise ClientError("nothing to respond to: the conversation is empty (add an item or commit audio "
+                              "first)", "response.input" if r.input is not None else None, "conversation_empty")
         instructions = r.instructions if "instructions" in r.model_fields_set else self.instructions
         resp = _Response(_new_id("resp"), items, instructions, max_tokens, temperature, r.metadata,
                          r.conversation != "none")
@@ -789,9 +792,6 @@ class RealtimeAPI:
             InvalidRequestError / MediaError: from the processor.
         """
         items = list(resp.items)
-        if not items:
-            raise ClientError("the conversation is empty: add an item or commit audio first", None,
-                              "conversation_empty")
         while True:
             msgs, audios = await self._messages(items, resp.instructions)
             try:
