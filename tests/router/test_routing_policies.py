@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
 
 from epd.engine.block_manager import BlockManager
-from epd.messages import Heartbeat, KVEvents, KVLayout, WorkerReady
+from epd.messages import Heartbeat, KVEvents, KVLayout, Placeholder, WireSamplingParams, WorkerReady
 from epd.router.kv_index import KVIndex, request_block_hashes
 from epd.router.policies import (POLICIES, FreeKVDecode, KVAwarePrefill, LeastLoaded, MediaAffinity,
                                  NoInstanceError, RoundRobin, build_policy)
 from epd.router.registry import WorkerHandle
 from epd.router.router import Router, RouterRequest
-from epd.messages import WireSamplingParams
 from epd.sampling_params import SamplingParams
 from epd.sequence import Sequence
 
@@ -134,8 +134,6 @@ def test_kv_policy_predicts_a_routed_prefix_until_the_report_arrives():
     chain = request_block_hashes(SYSTEM + [1], BS)
     assert index.overlap(chain, ["prefill-0", "prefill-1"])[first.instance_id] == 10
     # Predictions expire...
-    import time
-
     assert index.overlap(chain, [first.instance_id], now=time.monotonic() + 6)[first.instance_id] == 0
     # ... and the instance's report replaces them: here it evicted the prefix at once.
     index.predict(first.instance_id, chain)
@@ -158,8 +156,6 @@ def test_kv_policy_ignores_the_cache_of_a_restarted_worker():
 
 
 def test_kv_policy_hashes_media_items_like_the_engine():
-    from epd.messages import Placeholder
-
     index = KVIndex()
     kv = KVAwarePrefill(index)
     p0, p1 = worker("prefill-0"), worker("prefill-1")
