@@ -64,6 +64,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not x >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return x
+
+
+# Routing policies per pool (epd.router.policies.POLICIES, kept here so `epd --help` need not import torch).
+ROUTING_POLICIES = {"encode": ("media-affinity", "least-loaded", "round-robin"),
+                    "prefill": ("kv", "least-loaded", "round-robin"),
+                    "decode": ("free-kv", "least-loaded", "round-robin")}
+
+
 def _positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -85,6 +101,8 @@ def _forwarded_worker_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]
+    if getattr(args, "kv_timeout", None) is not None:
+        out += ["--kv-timeout", str(args.kv_timeout)]
     return out
 
 
@@ -97,7 +115,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine_kwargs = {k: getattr(args, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                                                    "kv_cache_memory_gb", "num_kv_blocks", "max_model_len")}
     run_worker(WorkerArgs(role=args.role, instance_id=args.instance_id, router=args.router, model=args.model,
-                          rank=args.rank, tp=args.tp, threads=args.threads,
+                          rank=args.rank, tp=args.tp, threads=args.threads, kv_timeout_s=args.kv_timeout,
+                          kv_staging_mb=args.kv_staging_mb,
                           engine_kwargs=engine_kwargs if args.role != "encode" else {}))
     return 0
 
@@ -119,12 +138,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     text_cfg = AutoConfig.from_pretrained(str(path)).get_text_config()
     plan = build_launch_plan(args.pools, args.tp, num_attention_heads=text_cfg.num_attention_heads,
                              num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)
-    if any(p.tp > 1 for p in plan):
-        raise LaunchSpecError("tensor parallelism inside `epd launch` pools is not available yet (it lands with "
-                              "heterogeneous-TP staging); use --tp 1 per pool, or the offline LLM(tensor_parallel_size=N)")
+    worker_args = _forwarded_worker_args(args)
+    tp = {p.role: p.tp for p in plan}
+    if "prefill" in tp and (tp["prefill"], tp["decode"]) != (1, 1):
+        # KV moves through staging buffers whenever a side is tensor-parallel.
+        worker_args += ["--kv-staging-mb", str(args.kv_staging_mb)]
     from epd.api.serve import serve
 
-    return asyncio.run(serve(plan, path, args, t0, _forwarded_worker_args(args)))
+    return asyncio.run(serve(plan, path, args, t0, worker_args))
 
 
 def cmd_create_tiny(args: argparse.Namespace) -> int:
@@ -181,6 +202,58 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
     for flag, typ in _WORKER_ENGINE_FLAGS:
         la.add_argument(flag, type=typ, default=None, help="forwarded to every worker (default: the worker's)")
+    rt = la.add_argument_group("routing")
+    rt.add_argument("--encode-routing", choices=ROUTING_POLICIES["encode"], default=ROUTING_POLICIES["encode"][0],
+                    help="encode pool: media-affinity sends a repeated image/clip to the encoder that cached it "
+                         "(rendezvous hashing on the item hash; least-loaded when that one is overloaded) "
+                         "(default: %(default)s)")
+    rt.add_argument("--prefill-routing", choices=ROUTING_POLICIES["prefill"], default=ROUTING_POLICIES["prefill"][0],
+                    help="prefill and pd pools: kv picks the lowest overlap-weight x blocks still to prefill + open "
+                         "blocks, from the block hashes each instance's prefix cache reports (default: %(default)s)")
+    rt.add_argument("--decode-routing", choices=ROUTING_POLICIES["decode"], default=ROUTING_POLICIES["decode"][0],
+                    help="decode pool: free-kv picks the most free KV blocks after reservations, then the smallest "
+                         "running batch (default: %(default)s)")
+    rt.add_argument("--kv-overlap-weight", type=_non_negative_float, default=1.0,
+                    help="weight of the blocks still to prefill against the open blocks in the kv policy's cost "
+                         "(default: %(default)s; 0 ignores cached prefixes)")
+    fr = la.add_argument_group("failure recovery")
+    fr.add_argument("--max-retries", type=int, default=2,
+                    help="further attempts of a request on other instances after a worker dies, hangs or fails a "
+                         "transfer; a decode worker lost mid-stream migrates its requests (default: %(default)s; "
+                         "0 disables)")
+    fr.add_argument("--kv-failure-policy", choices=["retry", "recompute"], default="retry",
+                    help="a failed or timed-out P->D KV transfer is retried through prefill (retry) or the decode "
+                         "worker prefills the prompt itself (recompute) (default: %(default)s)")
+    fr.add_argument("--stage-timeout", type=float, default=120.0,
+                    help="seconds a request may wait for one stage (encode, KV reservation, prefill) "
+                         "(default: %(default)s)")
+    fr.add_argument("--token-timeout", type=float, default=120.0,
+                    help="seconds a request may wait between two tokens (default: %(default)s)")
+    fr.add_argument("--kv-timeout", type=float, default=None,
+                    help="seconds a worker waits for one NIXL transfer before failing it (default: the worker's, 30)")
+    fr.add_argument("--max-worker-restarts", type=int, default=5,
+                    help="times the launcher restarts each crashed worker instance (default: %(default)s; "
+                         "0: never)")
+    api = la.add_argument_group("OpenAI API")
+    api.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EPD_API_KEY, else none)")
+    api.add_argument("--max-body-mb", type=float, default=64.0,
+                     help="largest request body in MiB; larger ones get 413 (default: %(default)s)")
+    api.add_argument("--max-pending-requests", type=_positive_int, default=256,
+                     help="requests in flight at once; more get 429 (default: %(default)s)")
+    api.add_argument("--max-n", type=_positive_int, default=8,
+                     help="largest n (choices per request) (default: %(default)s)")
+    api.add_argument("--allowed-media-domains", default="",
+                     help="comma-separated hosts whose http(s) image URLs are fetched (subdomains included); "
+                          "addresses that resolve to private, loopback or link-local ranges are refused anyway "
+                          "(default: none, only data: URLs)")
+    api.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                     help="seconds one media URL fetch may take, redirects included (default: %(default)s)")
+    api.add_argument("--max-media-mb", type=float, default=20.0,
+                     help="largest fetched media body in MiB (default: %(default)s)")
+    la.add_argument("--kv-staging-mb", type=_positive_int, default=256,
+                    help="staging pool per prefill/decode instance (MiB) for KV transfers when prefill or "
+                         "decode is tensor-parallel (default: %(default)s)")
     la.set_defaults(func=cmd_launch)
 
     w = sub.add_parser("worker", help="one worker process (started by `epd launch`, not by hand)")
@@ -192,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", default=None,
                    help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
     w.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    w.add_argument("--kv-timeout", type=float, default=30.0,
+                   help="seconds one NIXL transfer (KV, embeddings) may take before it fails (default: %(default)s)")
     w.add_argument("--block-size", type=_positive_int, default=16)
     w.add_argument("--max-num-seqs", type=_positive_int, default=64)
     w.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
@@ -199,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="KV cache size in blocks (overrides --kv-cache-memory-gb)")
     w.add_argument("--max-model-len", type=_positive_int, default=None)
+    w.add_argument("--kv-staging-mb", type=int, default=0,
+                   help="staging pool (MiB) for KV transfers between different TP layouts (0: none)")
     w.set_defaults(func=cmd_worker)
 
     m = sub.add_parser("model", help="model utilities")

@@ -205,5 +205,7 @@ def build_launch_plan(pools_text: str, tp_text: str | None, *, num_attention_hea
             raise LaunchSpecError(
                 f"--tp {ROLE_SHORT[role]}:{n}: TP {n} must divide the model's {num_attention_heads} attention "
                 f"heads and {kv} KV heads (heads are sharded over TP ranks); TP sizes this model "
-                f"allows: {', '.join(map(str, valid))}")
+                f"allows: {', '.join(map(str, valid))}"
+                + ("; prefill and decode TP may differ (KV is restaged between them), but each must split "
+                   "the KV heads" if "prefill" in tp and "decode" in tp else ""))
     return [PoolSpec(role, devices, tp[role]) for role, devices in pools.items()]

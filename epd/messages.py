@@ -14,6 +14,7 @@ Flow (see DESIGN.md, "Request life cycle"):
   router -> P: PrefillRequest           P -> router: PrefillDone ; P -> D (NIXL notif): KVReady
   router -> PD: GenerateRequest (aggregated pool)
   D/PD -> router: TokenOutput (stream)  any -> router: WorkerReady, Heartbeat, RequestFailed
+  P/PD -> router: KVEvents (prefix-cache changes, for KV-aware routing)
   router -> any: Abort, Shutdown
 """
 
@@ -80,9 +81,10 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int = 16
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     _FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "max_tokens",
-               "ignore_eos")
+               "ignore_eos", "logprobs")
 
     @classmethod
     def from_params(cls, sp: SamplingParams) -> WireSamplingParams:
@@ -91,6 +93,19 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     def to_params(self) -> SamplingParams:
         """Raises ValueError for out-of-range values (a worker validates what it receives)."""
         return SamplingParams(**{f: getattr(self, f) for f in self._FIELDS}, stop_token_ids=list(self.stop_token_ids))
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log-probability and its top alternatives (``epd.outputs.TokenLogprobs``)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+    @classmethod
+    def from_output(cls, lp) -> TokenLogprob:
+        return cls(lp.token_id, lp.logprob, list(lp.top_ids), list(lp.top_logprobs))
 
 
 class Placeholder(msgspec.Struct, frozen=True):
@@ -105,6 +120,10 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     k and v caches: [num_layers, num_blocks, block_size, num_kv_heads, head_dim];
     ``k_regions[l]`` / ``v_regions[l]`` cover layer l's [num_blocks, ...] slab.
+    ``tp``: the instance's TP ranks (``num_kv_heads`` is per rank). A worker with a
+    staging pool (heterogeneous TP, ``epd.transfer.staging``) advertises it:
+    ``staging_regions[l]`` covers layer l of the pool, ``staging_block_bytes`` is one
+    staging block (K and V of every KV head) of one layer.
     """
 
     num_layers: int
@@ -115,6 +134,9 @@ class KVLayout(msgspec.Struct, frozen=True):
     dtype: str
     k_regions: list[Region]
     v_regions: list[Region]
+    tp: int = 1
+    staging_regions: list[Region] = []
+    staging_block_bytes: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -139,6 +161,23 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     num_waiting: int
     num_free_blocks: int
     num_blocks: int
+
+
+class KVEvents(msgspec.Struct, tag="kv_events", frozen=True):
+    """P/PD -> router, at most once per heartbeat: net prefix-cache changes since the last report.
+
+    ``stored`` / ``removed``: 16-byte block hashes (``iter_block_hashes``) that
+    entered / left the prefix cache (removed = evicted or reset); ``cleared``:
+    the cache was reset before them. The router applies cleared, removed,
+    stored in that order. ``pid`` ties the report to the process of the
+    instance's ``WorkerReady``. Used only to choose where requests run.
+    """
+
+    instance_id: str
+    pid: int
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    cleared: bool = False
 
 
 class PeerInfo(msgspec.Struct, tag="peer", frozen=True):
@@ -191,9 +230,13 @@ class ReserveKV(msgspec.Struct, tag="reserve", frozen=True):
 
 
 class KVReserved(msgspec.Struct, tag="reserved", frozen=True):
+    """D -> router. ``staging_block``: first block of the staging range reserved for
+    the prompt's KV (-1: none; the prefill worker writes block to block)."""
+
     request_id: str
     instance_id: str
     block_ids: list[int]
+    staging_block: int = -1
 
 
 class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
@@ -205,13 +248,16 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
     placeholders: list[Placeholder] = []
     encode_instance: str | None = None
     embeddings: list[EmbeddingRef] = []
+    decode_staging_block: int = -1  # KVReserved.staging_block
 
 
 class KVReady(msgspec.Struct, tag="kv_ready", frozen=True):
-    """P -> D NIXL notification: all KV of the request is in D's blocks."""
+    """P -> D NIXL notification: all KV of the request is in D's blocks (or, when
+    staged, in D's staging range, laid out by ``src_tp`` prefill ranks)."""
 
     request_id: str
     first_token: int
+    src_tp: int = 1
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
@@ -226,6 +272,7 @@ class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     num_transfer_requests: int
     kv_exposed_s: float = 0.0  # transfer time left after the prefill forward ended (not hidden by compute)
     kv_write_s: float = 0.0  # time inside NIXL write calls during the forward (synchronous copies on CPU)
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
@@ -245,13 +292,19 @@ class TokenOutput(msgspec.Struct, tag="tokens", frozen=True):
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = []  # one per token id, when the request asked for logprobs
 
 
 class RequestFailed(msgspec.Struct, tag="failed", frozen=True):
+    """Worker -> router: a request failed here. ``retryable``: another instance
+    (or a second try) may succeed; ``kind`` = "kv_transfer" when the P -> D KV
+    transfer failed or timed out (the router then retries or recomputes by policy)."""
+
     request_id: str
     instance_id: str
     error: str
     retryable: bool = False
+    kind: str = ""
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -278,7 +331,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-Message = (WorkerReady | Heartbeat | PeerInfo | EncodeRequest | EncodeDone | ReserveKV | KVReserved
+Message = (WorkerReady | Heartbeat | KVEvents | PeerInfo | EncodeRequest | EncodeDone | ReserveKV | KVReserved
            | PrefillRequest | KVReady | PrefillDone | GenerateRequest | TokenOutput
            | RequestFailed | Abort | ReleaseEmbeddings | StatsRequest | WorkerStats | Shutdown)
 

@@ -377,7 +377,12 @@ def test_metric_names_match_design():
         "epd_encoder_cache_queries_total", "epd_encoder_cache_hits_total",
         "epd_kv_cache_usage_ratio", "epd_queue_depth", "epd_running_requests",
     }
-    assert names == expected
+    # Every DESIGN.md metric exists; metrics beyond it are documented on Metrics.
+    assert expected <= names, expected - names
+    fields = {**metrics._HISTOGRAMS, **metrics._COUNTERS, **metrics._GAUGES}
+    for field, (name, *_) in fields.items():
+        if (name if name in names else name + "_total") not in expected:
+            assert f"        {field}:" in metrics.Metrics.__doc__, f"{name} is neither in DESIGN.md nor documented"
     if design.is_file():
         text = design.read_text()
         for n in expected:

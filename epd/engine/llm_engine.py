@@ -14,10 +14,11 @@ import torch
 from epd.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.block_manager import BlockManager
-from epd.engine.model_runner import ModelRunner, build_step_input, engine_config_to_json, free_port, tp_worker_main
+from epd.engine.model_runner import (ModelRunner, StepKV, build_step_input, engine_config_to_json, free_port,
+                                     tp_worker_main)
 from epd.engine.scheduler import Scheduler
 from epd.errors import InvalidRequestError
-from epd.layers.sampler import Sampler
+from epd.layers.sampler import Sampler, token_logprobs
 from epd.outputs import CompletionOutput, RequestOutput
 from epd.sampling_params import SamplingParams
 from epd.sequence import MultiModalPlaceholder, Sequence, SequenceStatus
@@ -56,24 +57,48 @@ class LLMEngine:
     (or finished) in that step. Not thread-safe: drive it from one thread.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, *, threads: int | None = None,
+                 kv_staging_blocks: int = 0) -> None:
+        """``threads``: torch threads of each TP rank (default on CPU: cores / TP);
+        ``kv_staging_blocks``: staging pool size for heterogeneous-TP KV transfers
+        (``epd.transfer.staging``; 0: none). Ranks 1..TP-1 are spawned here and die
+        with this process (PDEATHSIG; create the engine in a thread that lives as long
+        as the engine, e.g. the main thread)."""
         self.config = config
         self.tokenizer = tokenizer
         self._procs: list[mp.Process] = []
         port = None
         tp = config.tensor_parallel_size
-        if tp > 1:
-            port = free_port()
-            threads = max(1, (os.cpu_count() or 1) // tp) if config.device == "cpu" else None
-            if threads:
+        self.staging = None
+        staging_args = None
+        if kv_staging_blocks > 0:
+            from epd.transfer.staging import StagingPool
+
+            layers = config.text_config.num_hidden_layers
+            elems = 2 * config.block_size * config.num_kv_heads * config.head_dim
+            path = StagingPool.new_shm_path("tp") if tp > 1 else None
+            self.staging = StagingPool(layers, kv_staging_blocks, elems, config.torch_dtype, shm_path=path)
+            staging_args = (layers, kv_staging_blocks, elems, path)
+        try:
+            if tp > 1:
+                port = free_port()
+                if threads is None and config.device == "cpu":
+                    threads = max(1, (os.cpu_count() or 1) // tp)
+                if threads:
+                    torch.set_num_threads(threads)
+                ctx = mp.get_context("spawn")
+                cfg_json = engine_config_to_json(config)
+                for rank in range(1, tp):
+                    p = ctx.Process(target=tp_worker_main, args=(cfg_json, rank, port, threads, staging_args),
+                                    daemon=True)
+                    p.start()
+                    self._procs.append(p)
+            elif threads:
                 torch.set_num_threads(threads)
-            ctx = mp.get_context("spawn")
-            cfg_json = engine_config_to_json(config)
-            for rank in range(1, tp):
-                p = ctx.Process(target=tp_worker_main, args=(cfg_json, rank, port, threads), daemon=True)
-                p.start()
-                self._procs.append(p)
-        self.runner = ModelRunner(config, 0, port)
+            self.runner = ModelRunner(config, 0, port, self.staging)
+        finally:
+            if self.staging is not None:
+                self.staging.unlink()  # every rank has mapped it (or start-up failed)
         capacity = self.runner.num_blocks * config.block_size
         if capacity < config.max_model_len:
             logger.warning("KV cache holds %d tokens < max_model_len %d: max_model_len lowered to %d",
@@ -162,18 +187,26 @@ class LLMEngine:
         """One step: schedule -> run -> sample -> post-process.
 
         ``layer_hook_factory(scheduler_output)``, when given, returns the
-        per-layer hook for this step (see ``AttentionMetadata.layer_hook``).
+        per-layer hook for this step (see ``AttentionMetadata.layer_hook``) or a
+        ``StepKV`` (hook + staging packs, see ``epd.engine.model_runner``).
         """
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         step, mm_embeds = build_step_input(sched, self.config.block_size)
         hook = layer_hook_factory(sched) if layer_hook_factory is not None else None
+        if isinstance(hook, StepKV):
+            step.kv_packs = hook.kv_packs
+            hook = hook.layer_hook
         logits = self.runner.execute(step, mm_embeds, hook)
         sampled: dict[int, int] = {}
         if step.seq_ids:
             seqs = [self._by_seq_id[i].seq for i in step.seq_ids]
-            sampled = dict(zip(step.seq_ids, self.sampler(logits, seqs)))
+            tokens = self.sampler(logits, seqs)
+            sampled = dict(zip(step.seq_ids, tokens))
+            for seq, lp in zip(seqs, token_logprobs(logits, seqs, tokens)):
+                if lp is not None:
+                    seq.output_logprobs.append(lp)
         changed = self.scheduler.update(sched, sampled)
         return [self._process(self._by_seq_id[seq.seq_id]) for seq in changed]
 
@@ -271,7 +304,8 @@ class LLMEngine:
         detok = req.detokenizer
         text = "" if detok is None else (detok.get_next_output_text(finished, delta=False) if finished
                                          else detok.output_text)
-        comp = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason)
+        comp = CompletionOutput(0, text, seq.output_token_ids, seq.finish_reason, seq.stop_reason,
+                                seq.output_logprobs if seq.params.logprobs is not None else None)
         metrics = {"arrival_time": seq.arrival_time}
         if seq.first_token_time is not None:
             metrics["first_token_time"] = seq.first_token_time
@@ -295,6 +329,10 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
         }
+
+    def dead_ranks(self) -> list[int]:
+        """TP ranks (1..TP-1) whose process has exited: the instance cannot step any more."""
+        return [i + 1 for i, p in enumerate(self._procs) if not p.is_alive()]
 
     def shutdown(self) -> None:
         if self._closed:

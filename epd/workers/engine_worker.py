@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
-from epd.messages import EmbeddingRef, KVLayout, Placeholder, ReleaseEmbeddings, TensorBlob, TokenOutput, encode
+from epd.messages import (EmbeddingRef, KVLayout, Placeholder, ReleaseEmbeddings, TensorBlob, TokenLogprob,
+                          TokenOutput, encode)
+from epd.messages import Heartbeat, KVEvents
 from epd.model_files import resolve_model
 from epd.sequence import MultiModalPlaceholder
 from epd.workers.base import BaseWorker, WorkerArgs
@@ -25,18 +28,55 @@ class EngineWorker(BaseWorker):
         super().__init__(args)
         path = resolve_model(args.model)
         config = EngineConfig(str(path), tensor_parallel_size=args.tp, **args.engine_kwargs)
-        self.engine = LLMEngine(config)
+        # TP ranks 1.. are spawned by the engine (they die with this process); the staging
+        # pool (heterogeneous TP) is shared memory mapped by every rank.
+        self.engine = LLMEngine(config, threads=args.threads,
+                                kv_staging_blocks=self.staging_blocks(config, args.kv_staging_mb))
         runner = self.engine.runner
+        self.staging = self.engine.staging
         self.recv_buffer = EmbeddingBuffer(args.embedding_buffer_mb * 2**20)
-        regions = self.transport.register([runner.k_cache, runner.v_cache, self.recv_buffer.tensor])
+        tensors = [runner.k_cache, runner.v_cache, self.recv_buffer.tensor]
+        if self.staging is not None:
+            tensors.append(self.staging.buffer)  # rank 0's agent registers every rank's staging part
+        regions = self.transport.register(tensors)
         self.kv_layout = KVLayout(
             num_layers=runner.k_cache.shape[0], num_blocks=runner.num_blocks, block_size=config.block_size,
             num_kv_heads=runner.k_cache.shape[3], head_dim=runner.k_cache.shape[4],
             dtype=_DTYPE_NAMES[config.torch_dtype],
             k_regions=[(runner.k_cache[i].data_ptr(), runner.k_cache[i].nbytes, 0) for i in range(runner.k_cache.shape[0])],
-            v_regions=[(runner.v_cache[i].data_ptr(), runner.v_cache[i].nbytes, 0) for i in range(runner.v_cache.shape[0])])
+            v_regions=[(runner.v_cache[i].data_ptr(), runner.v_cache[i].nbytes, 0) for i in range(runner.v_cache.shape[0])],
+            tp=args.tp, staging_regions=self.staging.layer_regions() if self.staging is not None else [],
+            staging_block_bytes=self.staging.region(0, 0, 1)[1] if self.staging is not None else 0)
         self.regions = regions
         self.block_bytes = self.kv_layout.block_bytes
+        # Prefill / aggregated instances report their prefix cache for KV-aware routing.
+        if self.role in ("prefill", "pd") and args.rank == 0:
+            self.engine.block_manager.enable_kv_events()
+
+    @staticmethod
+    def staging_blocks(config: EngineConfig, staging_mb: int) -> int:
+        """Staging blocks (one block of K and V of every KV head, all layers) in ``staging_mb`` MiB."""
+        if staging_mb <= 0:
+            return 0
+        elem = torch.tensor([], dtype=config.torch_dtype).element_size()
+        per_block = (config.text_config.num_hidden_layers * 2 * config.block_size * config.num_kv_heads
+                     * config.head_dim * elem)
+        return max(1, staging_mb * 2**20 // per_block)
+
+    def send_kv_events(self) -> None:
+        """Send the prefix cache's net changes since the last report as one ``KVEvents``
+        (nothing when none); called once per heartbeat."""
+        cleared, stored, removed = self.engine.block_manager.drain_kv_events()
+        if cleared or stored or removed:
+            self.send(KVEvents(self.instance_id, os.getpid(), stored, removed, cleared))
+
+    def load(self) -> Heartbeat:
+        dead = self.engine.dead_ranks()
+        if dead:  # the instance cannot step without them: exit, so the launcher sees it die
+            raise RuntimeError(f"{self.instance_id}: TP rank(s) {dead} died")
+        self.send_kv_events()
+        self.count_total("kv_transfer_requests", self.transport.num_requests)
+        return super().load()
 
     def fetch_embeddings(self, request_id: str, encode_instance: str | None,
                          refs: list[EmbeddingRef]) -> list[torch.Tensor]:
@@ -79,15 +119,21 @@ class EngineWorker(BaseWorker):
         self.observe("decode_step", time.monotonic() - t0)
         for out in outs:
             comp = out.outputs[0]
+            lps = [TokenLogprob.from_output(comp.logprobs[-1])] if comp.logprobs and comp.token_ids else []
             self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,
-                                  out.num_cached_tokens))
+                                  out.num_cached_tokens, lps))
 
     @staticmethod
     def placeholders(ph: list[Placeholder]) -> list[MultiModalPlaceholder]:
         return [MultiModalPlaceholder(p.offset, p.length, p.item_hash) for p in ph]
 
     def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        s = self.engine.stats()
+        s["kv_transfer_requests"] = self.transport.num_requests
+        if self.staging is not None:
+            s["num_staging_blocks"] = self.staging.num_blocks
+            s["num_free_staging_blocks"] = self.staging.num_free_blocks
+        return s
 
     def close(self) -> None:
         try:
