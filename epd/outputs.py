@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability (natural log, fp32, from the model's raw
+    log_softmax) and the ``len(top_ids)`` most likely alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence.
@@ -13,6 +24,8 @@ class CompletionOutput:
     ``text`` is their detokenized text with any matched stop string cut;
     ``finish_reason`` is None while running, else "stop" (EOS, stop token or stop
     string), "length" (max_tokens or max_model_len) or "abort".
+    ``logprobs`` (when the request asked for them): one ``TokenLogprobs`` per id
+    in ``token_ids``.
     """
 
     index: int
@@ -20,6 +33,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 # Temperatures below this are greedy (dividing logits by them overflows); as in vLLM.
 _SAMPLING_EPS = 1e-5
+# Most top logprobs a request may ask for (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
@@ -29,6 +31,10 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating after the model's end-of-sequence token.
         skip_special_tokens: drop special tokens from the detokenized text.
+        logprobs: None = off; k >= 0 returns, per generated token, its log-probability
+            and the k most likely tokens' (0..20), from the model's raw distribution
+            (log_softmax of the logits, before penalties, temperature, top-k/top-p), as
+            vLLM returns them by default.
 
     Raises:
         ValueError: on out-of-range values (the message names the field).
@@ -48,6 +54,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
@@ -73,6 +80,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.top_k == -1:
             self.top_k = 0
         for name in ("presence_penalty", "frequency_penalty"):

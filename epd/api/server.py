@@ -1,79 +1,207 @@
-"""OpenAI-compatible HTTP API over the router (first cut: completions, chat, health, metrics).
+"""OpenAI-compatible HTTP API over the router.
 
-Tokenization, chat templates, media decoding and detokenization (with stop
-strings) happen here; workers see token ids and preprocessed tensors.
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (streamed as SSE or
+not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` and ``GET /epd/workers``.
+Tokenization, chat templates, media decoding (and fetching, for allowlisted
+hosts) and detokenization with stop strings happen here; workers see token ids
+and preprocessed tensors. Request and response shapes follow OpenAI's API
+reference (chat completions, completions, error bodies, stream chunks) as the
+official ``openai`` SDK parses them; vLLM's OpenAI server is the model for the
+extras (``top_k``, ``ignore_eos``) and for logprobs from the raw distribution.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import hmac
 import itertools
 import json
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
+import msgspec
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
-from pydantic import BaseModel, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from epd.api.media_fetch import MediaFetcher
 from epd.detokenizer import IncrementalDetokenizer
 from epd.encoders.media import MediaError
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
 from epd.errors import InvalidRequestError
 from epd.messages import WireSamplingParams
-from epd.router.router import RequestError, Router, RouterRequest
-from epd.sampling_params import SamplingParams
+from epd.router.router import RequestError, Router, RouterRequest, TokenEvent
+from epd.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
-class ContentPart(BaseModel):
-    type: str
-    text: str | None = None
-    image_url: dict | None = None
-    input_audio: dict | None = None
+# ---- request bodies (OpenAI's shapes) -----------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
 
 
-class ChatMessage(BaseModel):
-    role: str
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
+
+
+class InputAudio(_Body):
+    data: str
+    format: Literal["wav", "mp3"]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class AudioPart(_Body):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
 
 
-class _SamplingFields(BaseModel):
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    n: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stream: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    ignore_eos: bool | None = False
     user: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: a text prompt or a list of token ids."""
+
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class ChatRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable_error", 504: "timeout_error"}
+_ERROR_CODES = {401: "invalid_api_key", 413: "request_too_large", 429: "rate_limit_exceeded",
+                503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code or _ERROR_CODES.get(status)}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
 class _BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.param, self.status = param, status
+
+
+@dataclass(slots=True)
+class ApiSettings:
+    """Limits and switches of the HTTP front end (``epd launch`` flags).
+
+    api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <key>`` (else 401).
+    max_body_bytes: larger request bodies get 413.
+    max_pending_requests: requests in flight at once (streams included); more get 429.
+    max_n: largest ``n`` (choices per request).
+    allowed_media_domains: hosts whose http(s) media URLs are fetched (empty: none).
+    media_fetch_timeout_s / max_media_bytes: limits of one fetch.
+    default_max_tokens: ``max_tokens`` when the request gives none (capped by the context left).
+    """
+
+    api_key: str | None = None
+    max_body_bytes: int = 64 * 2**20
+    max_pending_requests: int = 256
+    max_n: int = 8
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout_s: float = 10.0
+    max_media_bytes: int = 20 * 2**20
+    default_max_tokens: int = 256
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """ASGI middleware: API key check on ``/v1`` (401) and the body size limit (413,
+    counted on the bytes actually received, so chunked bodies are limited too)."""
+
+    def __init__(self, app, settings: ApiSettings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        s = self.settings
+        headers = dict(scope.get("headers") or [])
+        if s.api_key and scope["path"].startswith("/v1/"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {s.api_key}".encode()):
+                resp = error_response(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'")
+                return await resp(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > s.max_body_bytes):
+            resp = error_response(413, f"the request body is over the {s.max_body_bytes}-byte limit")
+            return await resp(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > s.max_body_bytes:
+                    scope["epd.body_too_large"] = True
+                    raise _BodyTooLarge
+            return msg
+
+        await self.app(scope, limited_receive, send)
 
 
 class _RequestTimer:
@@ -114,69 +242,156 @@ class _RequestTimer:
             self.m.cancelled_requests.labels(**self.labels).inc()
 
 
+class _Choice:
+    """One of the ``n`` choices of a request: its router request, detokenizer
+    (with stop strings), token count and pending logprobs."""
+
+    def __init__(self, index: int, req: RouterRequest, detok: IncrementalDetokenizer) -> None:
+        self.index, self.req, self.detok = index, req, detok
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.logprobs: list = []  # TokenLogprob, not yet sent (streaming) / all (non-streaming)
+        self.done = False
+
+    def update(self, ev: TokenEvent) -> None:
+        """Apply one router event; sets ``done`` / ``finish_reason`` at the end or at a stop string."""
+        self.num_tokens += len(ev.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, ev.num_cached_tokens)
+        self.logprobs.extend(lp for lp, t in zip(ev.logprobs, ev.token_ids) if lp.token_id == t)
+        if self.detok.update(ev.token_ids) is not None:
+            self.finish_reason, self.done = "stop", True
+        elif ev.finished:
+            self.finish_reason, self.done = ev.finish_reason or "stop", True
+
+
 def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, model_name: str,
-              max_model_len: int, default_max_tokens: int = 256, metrics_render=None, metrics=None) -> FastAPI:
+              max_model_len: int, default_max_tokens: int | None = None, metrics_render=None, metrics=None,
+              settings: ApiSettings | None = None, vocab_size: int | None = None) -> FastAPI:
     """The FastAPI app. ``metrics_render() -> (bytes, content_type)`` serves /metrics;
-    ``metrics`` (``epd.metrics.Metrics``) records per-request latencies."""
+    ``metrics`` (``epd.metrics.Metrics``) records per-request latencies;
+    ``settings`` holds the limits (see ``ApiSettings``); ``vocab_size`` bounds
+    token-id prompts (default: the tokenizer's length)."""
+    settings = settings or ApiSettings()
+    if default_max_tokens is not None:
+        settings.default_max_tokens = default_max_tokens
+    vocab_size = vocab_size or len(tokenizer)
     app = FastAPI(title="epd", version="0.1.0")
+    app.add_middleware(GuardMiddleware, settings=settings)
+    fetcher = MediaFetcher(settings.allowed_media_domains, max_bytes=settings.max_media_bytes,
+                           timeout_s=settings.media_fetch_timeout_s)
     ids = itertools.count()
     created = int(time.time())
+    pending = {"n": 0}
+    tok_text_cache: dict[int, str] = {}
 
-    def sampling(body: _SamplingFields, prompt_len: int) -> tuple[WireSamplingParams, list[str]]:
-        max_tokens = body.max_completion_tokens or body.max_tokens or min(default_max_tokens,
-                                                                          max_model_len - prompt_len)
+    # ---- error handlers: every error in OpenAI's body ------------------------------------
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        if request.scope.get("epd.body_too_large"):
+            return error_response(413, f"the request body is over the {settings.max_body_bytes}-byte limit")
+        if not errs:
+            return error_response(400, "invalid request")
+        if any(e.get("type") == "json_invalid" for e in errs):
+            return error_response(400, "the request body is not valid JSON")
+        e = max(errs, key=lambda e: len(e.get("loc", ())))  # a union's deepest branch says the most
+        loc: list[str] = []
+        for x in e.get("loc", ()):  # drop "body" and pydantic's union branch names; keep field names
+            x = str(x)
+            if x != "body" and "[" not in x and x not in ("str", "int", "float", "list") and loc[-1:] != [x]:
+                loc.append(x)
+        return error_response(400, f"invalid request: {e.get('msg')} at {'.'.join(loc) or 'body'}",
+                              loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if request.scope.get("epd.body_too_large"):
+            return error_response(413, f"the request body is over the {settings.max_body_bytes}-byte limit")
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(_BodyTooLarge)
+    async def on_too_large(request: Request, exc: _BodyTooLarge):
+        return error_response(413, f"the request body is over the {settings.max_body_bytes}-byte limit")
+
+    # ---- request -> router requests -----------------------------------------------------------
+    def sampling(body: _SamplingFields, prompt_len: int, logprobs: int | None) -> tuple[SamplingParams, list[str]]:
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if prompt_len >= max_model_len:
-            raise _BadRequest(f"the prompt has {prompt_len} tokens but max_model_len is {max_model_len}", "messages")
-        if prompt_len + max_tokens > max_model_len:
+            raise _BadRequest(f"the prompt has {prompt_len} tokens but max_model_len is {max_model_len}",
+                              "messages" if isinstance(body, ChatRequest) else "prompt")
+        if max_tokens is None:
+            max_tokens = min(settings.default_max_tokens, max_model_len - prompt_len)
+        elif prompt_len + max_tokens > max_model_len:
             raise _BadRequest(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                               f"({max_model_len})", "max_tokens")
+        if (body.n or 1) > settings.max_n:
+            raise _BadRequest(f"n is {body.n}; this server allows at most {settings.max_n}", "n")
+        stop = body.stop
+        if isinstance(stop, list) and len(stop) > 16:
+            raise _BadRequest("at most 16 stop strings are allowed", "stop")
+        kw = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty")
+              if getattr(body, k) is not None}
         try:
-            sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                max_tokens=max_tokens, stop=body.stop, ignore_eos=body.ignore_eos)
+            sp = SamplingParams(**kw, seed=body.seed, max_tokens=max_tokens, stop=stop,
+                                ignore_eos=bool(body.ignore_eos), logprobs=logprobs)
         except ValueError as e:
             raise _BadRequest(str(e)) from None
-        return WireSamplingParams.from_params(sp), list(sp.stop)
+        return sp, list(sp.stop)
 
     def decode_b64(data: str, param: str) -> bytes:
         if data.startswith("data:"):
-            _, _, data = data.partition(",")
+            header, _, data = data.partition(",")
+            if ";base64" not in header:
+                raise _BadRequest("data: URLs must be base64-encoded (data:<mime>;base64,...)", param)
         try:
             return base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError):
             raise _BadRequest("invalid base64 media data", param) from None
 
+    image_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["image"])
+                 if "image" in processor.placeholder_ids else None)
+    audio_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["audio"])
+                 if "audio" in processor.placeholder_ids else AUDIO_PLACEHOLDER)
+    structured = _template_takes_parts(tokenizer, image_tok, audio_tok if "audio" in processor.placeholder_ids
+                                       else None)
+
+    async def load_image(url: str, param: str) -> bytes:
+        if url.startswith("data:"):
+            return decode_b64(url, param)
+        if url.startswith(("http://", "https://")):
+            return await asyncio.to_thread(fetcher.fetch, url, "image")
+        raise _BadRequest("image_url.url must be a data: URL or an http(s) URL on the allowed media domains", param)
+
     async def render_chat(body: ChatRequest, rid: str) -> tuple[str, dict]:
-        image_tok = None
-        if "image" in processor.placeholder_ids:
-            image_tok = tokenizer.convert_ids_to_tokens(processor.placeholder_ids["image"])
-        audio_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["audio"])
-                     if "audio" in processor.placeholder_ids else AUDIO_PLACEHOLDER)
+        """The chat template's text and the media items, in prompt order.
+
+        Content parts become HF-style ``{"type": "image"}`` / ``{"type": "audio"}``
+        entries when the model's template renders them; otherwise each item
+        becomes its placeholder text inline (see ``_template_takes_parts``)."""
         images, audios, msgs = [], [], []
-        for m in body.messages:
-            if isinstance(m.content, list):
-                parts = []
-                for p in m.content:
-                    if p.type == "text":
-                        parts.append(p.text or "")
-                    elif p.type == "image_url":
-                        url = (p.image_url or {}).get("url", "")
-                        if not url.startswith("data:"):
-                            raise _BadRequest("only data: URLs are accepted for images", "messages")
-                        if image_tok is None:
-                            raise _BadRequest("this model does not accept images", "messages")
-                        images.append(decode_b64(url, "messages"))
-                        parts.append(image_tok)
-                    elif p.type == "input_audio":
-                        audio = p.input_audio or {}
-                        audios.append(decode_b64(audio.get("data", ""), "messages"))
-                        parts.append(audio_tok)
-                    else:
-                        raise _BadRequest(f"unsupported content part type {p.type!r}", "messages")
-                content = "".join(parts)
-            else:
-                content = m.content or ""
-            msgs.append({"role": m.role, "content": content})
+        for i, m in enumerate(body.messages):
+            param = f"messages.{i}.content"
+            if not isinstance(m.content, list):
+                msgs.append({"role": m.role, "content": m.content or ""})
+                continue
+            parts: list[dict] = []
+            for p in m.content:
+                if isinstance(p, TextPart):
+                    parts.append({"type": "text", "text": p.text})
+                elif isinstance(p, ImagePart):
+                    if image_tok is None:
+                        raise _BadRequest("this model does not accept images", param)
+                    images.append(await load_image(p.image_url.url, param))
+                    parts.append({"type": "image"})
+                else:
+                    if "audio" not in processor.modalities:
+                        raise _BadRequest("this model does not accept audio", param)
+                    audios.append(decode_b64(p.input_audio.data, param))
+                    parts.append({"type": "audio"})
+                if len(images) + len(audios) > processor.max_items_per_prompt:
+                    raise _BadRequest(f"at most {processor.max_items_per_prompt} media items per request", param)
+            msgs.append({"role": m.role, "content": _flatten(parts, image_tok, audio_tok, structured)})
         mm: dict[str, Any] = {}
         if images:
             mm["image"] = images
@@ -188,127 +403,290 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
                     msg["content"] = msg["content"].replace(AUDIO_PLACEHOLDER, texts.pop(0), 1)
         elif audios:
             mm["audio"] = audios
-        prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        try:
+            prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja raises for conversations the template rejects
+            raise _BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
         return prompt, mm
 
-    async def run(body: _SamplingFields, prompt: str | list[int], mm: dict, chat: bool):
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:20]}-{next(ids)}"
-        ids_ = prompt if isinstance(prompt, list) else tokenizer.encode(prompt, add_special_tokens=not chat)
+    def prepare(body: _SamplingFields, prompt: str | list[int], mm: dict, chat: bool) -> tuple[str, list[_Choice]]:
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:20]}{next(ids)}"
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                raise _BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
+            ids_ = prompt
+        else:
+            ids_ = tokenizer.encode(prompt, add_special_tokens=not chat)
         if not ids_:
             raise _BadRequest("the prompt is empty", "prompt")
         processed = processor.process(ids_, mm)
-        params, stop = sampling(body, len(processed.prompt_token_ids))
-        req = RouterRequest(rid, processed.prompt_token_ids, params, processed.items, processed.placeholders)
-        detok = IncrementalDetokenizer(tokenizer, processed.prompt_token_ids, stop=stop)
-        return rid, req, detok
+        if isinstance(body, ChatRequest):
+            if body.top_logprobs is not None and not body.logprobs:
+                raise _BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
+        sp, stop = sampling(body, len(processed.prompt_token_ids), logprobs)
+        choices = []
+        for i in range(body.n or 1):
+            seed = None if sp.seed is None else (sp.seed + i) % 2**63  # n > 1: distinct, reproducible draws
+            wire = msgspec.structs.replace(WireSamplingParams.from_params(sp), seed=seed)
+            req = RouterRequest(f"{rid}-{i}", processed.prompt_token_ids, wire, processed.items,
+                                processed.placeholders)
+            choices.append(_Choice(i, req, IncrementalDetokenizer(tokenizer, processed.prompt_token_ids, stop=stop)))
+        return rid, choices
 
-    async def respond(body: _SamplingFields, rid: str, req: RouterRequest, detok, chat: bool, timer: _RequestTimer):
+    byte_level = _byte_level_alphabet(tokenizer)
+
+    def token_text(t: int) -> str:
+        s = tok_text_cache.get(t)
+        if s is None:
+            s = tokenizer.decode([t])
+            if len(tok_text_cache) < 200_000:
+                tok_text_cache[t] = s
+        return s
+
+    def token_bytes(t: int) -> list[int]:
+        """The token's own UTF-8 bytes (a byte-level BPE token may hold part of a character)."""
+        if byte_level is not None:
+            piece = tokenizer.convert_ids_to_tokens(t)
+            if isinstance(piece, str) and piece and all(ch in byte_level for ch in piece):
+                return [byte_level[ch] for ch in piece]
+        return list(token_text(t).encode("utf-8"))
+
+    def chat_logprobs(lps: list) -> dict:
+        def entry(t: int, lp: float) -> dict:
+            return {"token": token_text(t), "logprob": lp, "bytes": token_bytes(t)}
+
+        return {"content": [{**entry(x.token_id, x.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in zip(x.top_ids, x.top_logprobs)]}
+                            for x in lps], "refusal": None}
+
+    def completion_logprobs(lps: list, offset: int) -> dict:
+        tokens = [token_text(x.token_id) for x in lps]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        tops = []
+        for x in lps:  # {text: logprob}; tokens that decode to the same text keep the best one
+            top: dict[str, float] = {}
+            for t, v in zip(x.top_ids, x.top_logprobs):
+                top.setdefault(token_text(t), v)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    async def drive(choice: _Choice, on_event) -> None:
+        """Run one choice through the router until it is done (or a stop string)."""
+        gen = router.generate(choice.req)
+        try:
+            async for ev in gen:
+                choice.update(ev)
+                await on_event(choice, ev)
+                if choice.done:
+                    break
+        finally:
+            await gen.aclose()
+
+    async def run_all(choices: list[_Choice], on_event) -> None:
+        """Drive every choice concurrently; the first failure (or cancellation) stops them all."""
+        tasks = [asyncio.ensure_future(drive(c, on_event)) for c in choices]
+        try:
+            for t in asyncio.as_completed(tasks):
+                await t
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def usage_of(choices: list[_Choice]) -> dict:
+        prompt_tokens = len(choices[0].req.prompt_token_ids)
+        completion = sum(c.num_tokens for c in choices)
+        cached = min(max(c.num_cached_tokens for c in choices), prompt_tokens)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def until_disconnected(request: Request) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    async def respond(request: Request, body: _SamplingFields, rid: str, choices: list[_Choice], chat: bool,
+                      timer: _RequestTimer, release) -> Response:
         obj = "chat.completion" if chat else "text_completion"
-        usage = {"prompt_tokens": len(req.prompt_token_ids), "completion_tokens": 0,
-                 "prompt_tokens_details": {"cached_tokens": 0}}
+        want_lp = choices[0].req.params.logprobs is not None
+
+        async def on_event(choice: _Choice, ev: TokenEvent) -> None:
+            if choice.index == 0:
+                timer.on_tokens(len(ev.token_ids))
+
         if not body.stream:
-            reason = None
-            gen = router.generate(req)
             try:
-                async for ev in gen:
-                    timer.on_tokens(len(ev.token_ids))
-                    usage["completion_tokens"] += len(ev.token_ids)
-                    usage["prompt_tokens_details"]["cached_tokens"] = min(ev.num_cached_tokens, usage["prompt_tokens"])
-                    if detok.update(ev.token_ids) is not None:
-                        reason = "stop"
-                        timer.finished = True
-                        break
-                    if ev.finished:
-                        reason = ev.finish_reason
-                        timer.finished = True
+                work = asyncio.ensure_future(run_all(choices, on_event))
+                watch = asyncio.ensure_future(until_disconnected(request))
+                try:
+                    await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watch.cancel()
+                    if not work.done():  # client gone: abort every choice on every pool
+                        work.cancel()
+                        await asyncio.gather(work, return_exceptions=True)
+                if work.cancelled():
+                    return Response(status_code=499)
+                work.result()  # raises RequestError
+                timer.finished = True
             finally:
-                await gen.aclose()
                 timer.close()
-            text = detok.get_next_output_text(True, delta=False)
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                      if chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+                release()
+            out = []
+            for c in choices:
+                text = c.detok.get_next_output_text(True, delta=False)
+                lp = None
+                if want_lp:
+                    lp = chat_logprobs(c.logprobs) if chat else completion_logprobs(c.logprobs, 0)
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                            "logprobs": lp, "finish_reason": c.finish_reason} if chat else
+                           {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
             return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                 "choices": [choice], "usage": usage})
+                                 "choices": out, "usage": usage_of(choices), "system_fingerprint": None})
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        stamp = int(time.time())
+        text_offsets = [0] * len(choices)
+
+        def chunk(choice_objs: list[dict], usage: dict | None = None, with_usage: bool = include_usage) -> str:
+            data = {"id": rid, "object": chunk_obj, "created": stamp, "model": model_name,
+                    "system_fingerprint": None, "choices": choice_objs}
+            if with_usage:
+                data["usage"] = usage
+            return "data: " + json.dumps(data, ensure_ascii=False) + "\n\n"
+
+        def delta_chunk(c: _Choice, text: str, reason: str | None) -> str | None:
+            lps, c.logprobs = c.logprobs, []
+            if not text and not reason and not lps:
+                return None
+            lp = None
+            if want_lp and lps:
+                lp = chat_logprobs(lps) if chat else completion_logprobs(lps, text_offsets[c.index])
+            text_offsets[c.index] += len(text)
+            if chat:
+                delta = {"content": text} if text else {}
+                return chunk([{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}])
+            return chunk([{"index": c.index, "text": text, "logprobs": lp, "finish_reason": reason}])
 
         async def sse():
-            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+            queue: asyncio.Queue = asyncio.Queue()
 
-            def chunk(delta_text: str | None, reason: str | None, role: bool = False) -> str:
-                if chat:
-                    delta = {"role": "assistant", "content": ""} if role else (
-                        {"content": delta_text} if delta_text else {})
-                    choice = {"index": 0, "delta": delta, "finish_reason": reason}
-                else:
-                    choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "logprobs": None}
-                return "data: " + json.dumps({"id": rid, "object": chunk_obj, "created": int(time.time()),
-                                              "model": model_name, "choices": [choice]}) + "\n\n"
+            async def on_stream_event(choice: _Choice, ev: TokenEvent) -> None:
+                await on_event(choice, ev)
+                text = choice.detok.get_next_output_text(choice.done, delta=True)
+                out = delta_chunk(choice, text, choice.finish_reason if choice.done else None)
+                if out is not None:
+                    await queue.put(out)
 
-            if chat:
-                yield chunk(None, None, role=True)
-            gen = router.generate(req)
-            reason = None
+            async def run_one(choice: _Choice) -> None:
+                try:
+                    await drive(choice, on_stream_event)
+                    if not choice.done:  # the stream ended without a last event
+                        choice.finish_reason, choice.done = choice.finish_reason or "stop", True
+                        out = delta_chunk(choice, choice.detok.get_next_output_text(True, delta=True), "stop")
+                        if out:
+                            await queue.put(out)
+                except RequestError as e:
+                    await queue.put(e)
+                finally:
+                    await queue.put(None)
+
+            tasks = []
             try:
-                async for ev in gen:
-                    timer.on_tokens(len(ev.token_ids))
-                    usage["completion_tokens"] += len(ev.token_ids)
-                    hit = detok.update(ev.token_ids) is not None
-                    done = hit or ev.finished
-                    timer.finished = done
-                    delta = detok.get_next_output_text(done, delta=True)
-                    if delta:
-                        yield chunk(delta, None)
-                    if done:
-                        reason = "stop" if hit else ev.finish_reason
-                        break
-            except RequestError as e:
-                timer.finished = True  # failed, not cancelled by the client
-                yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error",
-                                                       "param": None, "code": None}}) + "\n\n"
-                return
+                if chat:
+                    for c in choices:
+                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                tasks = [asyncio.ensure_future(run_one(c)) for c in choices]
+                running = len(tasks)
+                while running:
+                    item = await queue.get()
+                    if item is None:
+                        running -= 1
+                    elif isinstance(item, RequestError):
+                        timer.finished = True  # failed, not cancelled by the client
+                        yield "data: " + json.dumps(error_body(item.status if item.status < 600 else 500,
+                                                               str(item))) + "\n\n"
+                        return
+                    else:
+                        yield item
+                timer.finished = True
+                if include_usage:
+                    yield chunk([], usage_of(choices))
+                yield "data: [DONE]\n\n"
             finally:
-                await gen.aclose()
+                for t in tasks:  # client gone (or failed): abort every choice on every pool
+                    t.cancel()
+                for t in tasks:
+                    try:
+                        await t
+                    except asyncio.CancelledError:
+                        pass
                 timer.close()
-            yield chunk(None, reason)
-            yield "data: [DONE]\n\n"
+                release()
 
         # The background task runs even when the client left before the stream
         # started (then sse() never runs): such a request still counts as cancelled.
-        return StreamingResponse(sse(), media_type="text/event-stream", background=BackgroundTask(timer.close))
+        def cleanup() -> None:
+            timer.close()
+            release()
 
-    async def handle(request: Request, model_cls, chat: bool):
+        return StreamingResponse(sse(), media_type="text/event-stream", background=BackgroundTask(cleanup))
+
+    async def handle(request: Request, body: _SamplingFields, chat: bool) -> Response:
         timer = _RequestTimer(metrics)
-        try:
-            body = model_cls.model_validate(await request.json())
-        except ValidationError as e:
-            return error_response(400, f"invalid request: {e.errors()[0]['msg']} at {e.errors()[0]['loc']}")
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "the request body is not valid JSON")
         if body.model not in (None, model_name):
-            return error_response(404, f"model {body.model!r} not found; this server serves {model_name!r}", "model",
-                                  "model_not_found")
+            return error_response(404, f"the model {body.model!r} does not exist; this server serves "
+                                       f"{model_name!r}", "model", "model_not_found")
+        if pending["n"] >= settings.max_pending_requests:
+            return error_response(429, f"too many requests in flight ({settings.max_pending_requests}); "
+                                       f"retry later")
+        pending["n"] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                pending["n"] -= 1
+
         try:
-            rid_hint = uuid.uuid4().hex[:8]
             if chat:
-                prompt, mm = await render_chat(body, rid_hint)
+                prompt, mm = await render_chat(body, uuid.uuid4().hex[:8])
             else:
                 prompt, mm = body.prompt, {}
-            rid, req, detok = await run(body, prompt, mm, chat)
-            return await respond(body, rid, req, detok, chat, timer)
+            rid, choices = prepare(body, prompt, mm, chat)
+            return await respond(request, body, rid, choices, chat, timer, release)
         except _BadRequest as e:
+            release()
             return error_response(e.status, str(e), e.param)
         except (InvalidRequestError, MediaError) as e:
+            release()
             return error_response(400, str(e), getattr(e, "param", None))
         except RequestError as e:
-            return error_response(e.status if e.status in (400, 503, 504) else 500, str(e))
+            release()
+            return error_response(e.status if e.status in (400, 429, 503, 504) else 500, str(e))
+        except BaseException:
+            release()
+            raise
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, CompletionRequest, chat=False)
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI completions (text or token-id prompt)."""
+        return await handle(request, body, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, ChatRequest, chat=True)
+    async def chat_completions(body: ChatRequest, request: Request):
+        """OpenAI chat completions with text, image_url and input_audio content parts."""
+        return await handle(request, body, chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -322,7 +700,7 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
         missing = sorted(r for r in needed if not alive.get(r))
         if missing or not needed:
             return error_response(503, f"no live instance in pool(s): {', '.join(missing) or 'all'}")
-        return {"status": "ok", "pools": alive}
+        return {"status": "ok", "pools": alive, "requests_in_flight": pending["n"]}
 
     @app.get("/metrics")
     async def metrics_endpoint():
@@ -336,4 +714,56 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
         """Per-worker stats (free blocks, running, held buffers): for operators and leak checks."""
         return await router.worker_stats()
 
+    from epd.api.realtime import mount_realtime  # here: realtime imports this module
+    mount_realtime(app, router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
+                   default_max_tokens=settings.default_max_tokens, api_key=settings.api_key, metrics=metrics)
     return app
+
+
+def _byte_level_alphabet(tokenizer) -> dict[str, int] | None:
+    """GPT-2 byte-level BPE's printable stand-in character -> byte, when the
+    tokenizer decodes that way (its tokens are then strings of these characters).
+    Source: the byte-to-unicode table of OpenAI's GPT-2 ``encoder.py``."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None or "ByteLevel" not in repr(decoder):
+        return None
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def _template_takes_parts(tokenizer, image_tok: str | None, audio_tok: str | None) -> bool:
+    """Whether the chat template renders HF-style content lists: a probe message
+    ``[{"type": "image"}, {"type": "audio"}, {"type": "text"}]`` must render each
+    media placeholder the model has exactly once and the text. Templates that only
+    take string content (they raise, or print the list) get placeholder text instead."""
+    if image_tok is None and audio_tok is None:
+        return False
+    probe_text = "epd-probe-7f3a"
+    parts = ([{"type": "image"}] if image_tok else []) + ([{"type": "audio"}] if audio_tok else [])
+    try:
+        out = tokenizer.apply_chat_template([{"role": "user", "content": parts + [{"type": "text",
+                                                                                    "text": probe_text}]}],
+                                            add_generation_prompt=True, tokenize=False)
+    except Exception:
+        return False
+    if not isinstance(out, str) or out.count(probe_text) != 1 or "'type'" in out:
+        return False
+    return all(out.count(t) == 1 for t in (image_tok, audio_tok) if t)
+
+
+def _flatten(parts: list[dict], image_tok: str | None, audio_tok: str, structured: bool) -> str | list[dict]:
+    """A message's content parts as the template wants them: the HF list, or one
+    string with each media item's placeholder text where it stood."""
+    if structured and any(p["type"] != "text" for p in parts):
+        return parts
+    out = []
+    for p in parts:
+        out.append(p["text"] if p["type"] == "text" else image_tok if p["type"] == "image" else audio_tok)
+    return "".join(out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from epd.outputs import TokenLogprobs
 from epd.sequence import Sequence
 
 
@@ -69,3 +70,26 @@ class Sampler:
         presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
         frequency = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
         return logits - presence * (counts > 0) - frequency * counts
+
+
+def token_logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[TokenLogprobs | None]:
+    """Log-probabilities of the sampled tokens for the rows that asked for them.
+
+    ``logits``: [n, vocab] raw model logits (before penalties / temperature);
+    ``token_ids``: the n sampled ids. Row i gets None unless
+    ``seqs[i].params.logprobs`` is set (k >= 0), else the sampled token's
+    log_softmax value and the k most likely tokens' (vLLM's default "raw"
+    logprobs; OpenAI's ``logprobs`` / ``top_logprobs``).
+    """
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(seqs)
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    k = max(seqs[i].params.logprobs for i in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    for j, i in enumerate(rows):
+        ki = seqs[i].params.logprobs
+        out[i] = TokenLogprobs(token_ids[i], float(lp[j, token_ids[i]]), top_i[j, :ki].tolist(),
+                               top_v[j, :ki].tolist())
+    return out
