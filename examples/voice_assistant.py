@@ -8,7 +8,9 @@ each with espeak-ng when it is installed, and prints the time from the end of sp
 
     make run                                                   # in another shell
     .venv/bin/python examples/voice_assistant.py               # the bundled question
-    .venv/bin/python examples/voice_assistant.py --wav my.wav --url http://127.0.0.1:8000 --no-speak
+    .venv/bin/python examples/voice_assistant.py --wav my.wav --base-url http://127.0.0.1:8000/v1 --no-speak
+
+``OPENAI_API_KEY`` is sent when the server was started with ``--api-key``.
 
 Any WAV/FLAC works (mono or stereo, any rate): it is sent as PCM16 mono at its own
 rate, declared with ``session.update`` (``audio.input.format.rate``).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import os
 import shutil
 import subprocess
 import time
@@ -33,7 +36,7 @@ DEFAULT_WAV = Path(__file__).resolve().parents[1] / "tests" / "data" / "speech" 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="epd's base URL")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="epd's OpenAI base URL")
     p.add_argument("--wav", type=Path, default=DEFAULT_WAV, help="the spoken question")
     p.add_argument("--chunk-ms", type=int, default=100, help="audio per input_audio_buffer.append")
     p.add_argument("--no-pacing", action="store_true", help="send the audio as fast as possible")
@@ -70,7 +73,7 @@ async def main(args: argparse.Namespace) -> None:
     audio, rate = sf.read(args.wav, dtype="int16", always_2d=True)
     pcm = audio.mean(axis=1).astype(np.int16).tobytes()
     step = rate * 2 * args.chunk_ms // 1000
-    client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="none")
+    client = AsyncOpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"))
     speaker = Speaker(not args.no_speak)
     if speaker.exe is None and not args.no_speak:
         print("(espeak-ng not found: printing only)")
@@ -80,6 +83,11 @@ async def main(args: argparse.Namespace) -> None:
         if args.instructions:
             session["instructions"] = args.instructions
         await conn.session.update(session=session)
+        async for ev in conn:  # session.created, then our update's answer
+            if ev.type == "error":
+                raise SystemExit(f"session.update failed: {ev.error.message}")
+            if ev.type == "session.updated":
+                break
         print(f"streaming {args.wav.name}: {len(pcm) / 2 / rate:.1f} s at {rate} Hz in {args.chunk_ms} ms chunks")
         start = time.perf_counter()
         for i, off in enumerate(range(0, len(pcm), step)):
