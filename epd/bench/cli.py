@@ -52,6 +52,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--num-requests", "-n", type=int, default=50, help="requests per rate (default %(default)s)")
     b.add_argument("--duration", type=float, default=None,
                    help="seconds of sending per rate: requests scheduled later are not sent")
+    b.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight (a due request waits; 1 = one at a time)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO, s (default %(default)s)")
     b.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT SLO, s (default %(default)s)")
@@ -66,8 +68,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     w.add_argument("--long-share", type=float, default=0.2, help="long-mix: share of long prompts")
     w.add_argument("--long-input-len", type=_span, default=(768, 1024), help="long-mix: long prompt tokens")
     w.add_argument("--images", type=_span, default=(1, 4), help="multimodal: images per request (1-4)")
-    w.add_argument("--image-reuse", type=float, default=0.0,
-                   help="multimodal: share of images sent byte-identical (encoder-cache hits)")
+    w.add_argument("--media-reuse", type=float, default=0.0,
+                   help="multimodal/voice: share of images and clips sent byte-identical (encoder-cache hits); "
+                        "the others are altered slightly per request")
     w.add_argument("--audio-share", type=float, default=0.0,
                    help="multimodal: share of requests carrying a speech clip instead of images")
     w.add_argument("--system-prompt-len", type=int, default=0, help="tokens of a system message in every request")
@@ -103,7 +106,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.workload == "trace" and args.trace is None:
         raise ValueError("--workload trace needs --trace FILE")
     opts = WorkloadOptions(input_len=args.input_len, output_len=args.output_len, long_share=args.long_share,
-                           long_input_len=args.long_input_len, images=args.images, image_reuse=args.image_reuse,
+                           long_input_len=args.long_input_len, images=args.images, media_reuse=args.media_reuse,
                            audio_share=args.audio_share, system_prompt_len=args.system_prompt_len,
                            system_prompt=args.system_prompt, trace_path=args.trace)
     rates = args.rate if args.rate is not None else ([] if args.workload == "trace" else [1.0])
@@ -113,7 +116,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        num_devices=args.num_devices, model=args.model, max_model_len=args.max_model_len, options=opts,
                        trace_speedup=args.trace_speedup, trace_scale=args.trace_scale, ignore_eos=args.ignore_eos,
                        include_usage=args.include_usage, warmup=args.warmup,
-                       request_timeout_s=args.request_timeout, progress=not args.no_progress,
+                       request_timeout_s=args.request_timeout, max_concurrency=args.max_concurrency, progress=not args.no_progress,
                        tokens_per_word=tokens_per_word)
 
 

@@ -28,7 +28,8 @@ class BenchConfig:
     """One ``epd bench`` invocation. Rates in requests/s (``inf``: all at once); a trace
     replayed without rates keeps its recorded times divided by ``trace_speedup``.
     ``duration_s`` bounds the sending window of each run (requests scheduled later are
-    not sent); ``request_timeout_s`` bounds each request."""
+    not sent); ``request_timeout_s`` bounds each request; ``max_concurrency`` caps the
+    requests in flight (a due request waits for a free slot; its clock starts when sent)."""
 
     base_url: str
     workload: str = "chat"
@@ -50,6 +51,7 @@ class BenchConfig:
     include_usage: bool = True
     warmup: int = 1
     request_timeout_s: float = 600.0
+    max_concurrency: int | None = None
     progress: bool = True
     tokens_per_word: float = 1.0
 
@@ -68,6 +70,8 @@ class BenchConfig:
                 raise ValueError(f"{name} must be > 0, got {v}")
         if not 0 < self.goodput_target <= 1:
             raise ValueError(f"goodput_target must be within (0, 1], got {self.goodput_target}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not self.trace_speedup > 0:
             raise ValueError(f"trace_speedup must be > 0, got {self.trace_speedup}")
 
@@ -157,15 +161,22 @@ async def run_at_rate(cfg: BenchConfig, client, model: str, specs: list[RequestS
     label = "inf" if rate is not None and math.isinf(rate) else (f"{rate:g}" if rate is not None else "trace")
     bar = _Progress(len(specs), f"bench {cfg.workload} @ {label} req/s", cfg.progress)
 
+    slots = asyncio.Semaphore(cfg.max_concurrency or len(specs))
+
     async def one(spec: RequestSpec, rec: RequestRecord) -> RequestRecord:
+        async with slots:
+            rec.sent_s = time.perf_counter() - start
+            await _send(spec, rec)
+        bar.update()
+        return rec
+
+    async def _send(spec: RequestSpec, rec: RequestRecord) -> None:
         send = send_voice(client, model, spec, rec) if spec.kind == "voice" else send_chat(
             client, model, spec, rec, ignore_eos=cfg.ignore_eos, include_usage=cfg.include_usage)
         try:
             await asyncio.wait_for(send, cfg.request_timeout_s)
         except asyncio.TimeoutError:
             rec.ok, rec.error = False, f"timed out after {cfg.request_timeout_s} s"
-        bar.update()
-        return rec
 
     start = time.perf_counter()
     tasks = []
@@ -173,8 +184,8 @@ async def run_at_rate(cfg: BenchConfig, client, model: str, specs: list[RequestS
         delay = start + float(t) - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        rec = RequestRecord(i, spec.kind, scheduled_s=float(t), sent_s=time.perf_counter() - start,
-                            max_tokens=spec.max_tokens, prompt_tokens=spec.prompt_tokens)
+        rec = RequestRecord(i, spec.kind, scheduled_s=float(t), max_tokens=spec.max_tokens,
+                            prompt_tokens=spec.prompt_tokens)
         tasks.append(asyncio.create_task(one(spec, rec)))
     records = list(await asyncio.gather(*tasks))
     bar.close()
@@ -254,7 +265,7 @@ async def run_bench(cfg: BenchConfig) -> dict:
         "workload": cfg.workload, "options": {k: (str(v) if isinstance(v, Path) else v)
                                               for k, v in asdict(opts).items() if k != "trace_rows"},
         "trace_scale": scale, "rates": cfg.rates, "cv": cfg.cv, "num_requests": cfg.num_requests,
-        "duration_s": cfg.duration_s, "seed": cfg.seed, "ignore_eos": cfg.ignore_eos,
+        "duration_s": cfg.duration_s, "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "ignore_eos": cfg.ignore_eos,
         "slo": {"ttft_s": cfg.ttft_slo_s, "tpot_s": cfg.tpot_slo_s, "target": cfg.goodput_target},
         "num_devices": devices, "devices_from": devices_from, "machine": _machine(),
         "load_avg_before": load_before, "load_avg_after": _load()},

@@ -13,10 +13,10 @@
 Synthetic text is drawn from common English words, each about one token in GPT-style
 BPE vocabularies (SmolLM2: 1.0-1.1 tokens per word; pass a tokenizer to calibrate
 exactly). ``--system-prompt-len`` adds a system message to every request: the same text
-for all (``shared``, prefix-cache hits) or a different one each (``unique``). For
-multimodal, ``--image-reuse`` is the share of images sent byte-identical to an earlier
-request's (encoder-cache hits); the others get a few pixels changed per request, so
-their item hashes differ.
+for all (``shared``, prefix-cache hits) or a different one each (``unique``).
+``--media-reuse`` is the share of images and speech clips sent byte-identical to the
+canonical copy (encoder-cache hits); the others get a few pixels (one audio sample)
+changed per request, so their item hashes differ.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class WorkloadOptions:
     long_share: float = 0.2
     long_input_len: tuple[int, int] = (768, 1024)
     images: tuple[int, int] = (1, 4)
-    image_reuse: float = 0.0
+    media_reuse: float = 0.0
     audio_share: float = 0.0
     system_prompt_len: int = 0
     system_prompt: str = "shared"  # or "unique"
@@ -94,7 +94,7 @@ class WorkloadOptions:
                 raise ValueError(f"{name} must be 0 < low <= high, got {(lo, hi)}")
         if self.images[1] > 4:
             raise ValueError(f"at most 4 images per request, got {self.images[1]}")
-        for name in ("long_share", "image_reuse", "audio_share"):
+        for name in ("long_share", "media_reuse", "audio_share"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1], got {v}")
@@ -181,6 +181,20 @@ def load_speech(speech_dir: Path = SPEECH_DIR, max_s: float = 10.0) -> list[tupl
     return clips
 
 
+def audio_variant(samples: np.ndarray, rate: int, variant: int | None) -> tuple[bytes, np.ndarray]:
+    """(16-bit PCM WAV bytes, float32 samples) of a clip; ``variant`` (not None) first
+    shifts the first sample by a variant-dependent 1-1000 PCM16 steps, so every variant
+    decodes to a different waveform."""
+    import soundfile as sf
+
+    samples = np.array(samples, dtype=np.float32)
+    if variant is not None:
+        samples[0] = np.clip(samples[0] + (variant % 1000 + 1) / 32768.0, -1.0, 1.0)
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, subtype="PCM_16", format="WAV")
+    return buf.getvalue(), samples
+
+
 def pcm16(samples: np.ndarray, rate: int, out_rate: int = VOICE_RATE) -> bytes:
     """Mono float samples in [-1, 1] at ``rate`` Hz -> little-endian PCM16 bytes at
     ``out_rate`` Hz (linear-interpolation resampling)."""
@@ -227,7 +241,9 @@ def build_requests(workload: str, n: int, opts: WorkloadOptions, seed: int = 0,
             q = int(rng.integers(8, 25))
             parts: list[dict] = []
             if audio[i]:
-                _, wav, _, _ = clips[i % len(clips)]
+                _, _, samples, rate = clips[i % len(clips)]
+                reuse = rng.random() < opts.media_reuse
+                wav, _ = audio_variant(samples, rate, None if reuse else seed * 1_000_003 + i)
                 parts.append({"type": "input_audio",
                               "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}})
                 kind, n_img = "audio", 0
@@ -235,7 +251,7 @@ def build_requests(workload: str, n: int, opts: WorkloadOptions, seed: int = 0,
                 n_img = int(rng.integers(opts.images[0], opts.images[1] + 1))
                 for j in range(n_img):
                     img = images[int(rng.integers(0, len(images)))]
-                    reuse = rng.random() < opts.image_reuse
+                    reuse = rng.random() < opts.media_reuse
                     variant = None if reuse else (seed * 1_000_003 + i * 4 + j + 1)
                     parts.append({"type": "image_url", "image_url": {"url": image_data_url(img, variant)}})
                 kind = "image"
@@ -246,6 +262,8 @@ def build_requests(workload: str, n: int, opts: WorkloadOptions, seed: int = 0,
         clips = load_speech(opts.speech_dir)
         for i in range(n):
             _, _, samples, rate = clips[i % len(clips)]
+            reuse = rng.random() < opts.media_reuse
+            _, samples = audio_variant(samples, rate, None if reuse else seed * 1_000_003 + i)
             specs.append(RequestSpec("voice", [], opts.output_len, None, audio_pcm16=pcm16(samples, rate)))
     else:  # trace
         if not opts.trace_rows:

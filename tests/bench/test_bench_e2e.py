@@ -66,8 +66,10 @@ def test_epd_bench_cli_chat_sweep(llava_server, tmp_path):
 def test_multimodal_and_trace_replay(llava_server, tmp_path):
     mm = asyncio.run(run_bench(BenchConfig(
         llava_server.url, workload="multimodal", rates=[float("inf")], num_requests=3, ttft_slo_s=None,
-        tpot_slo_s=None, progress=False, options=WorkloadOptions(images=(1, 2), output_len=4))))
+        tpot_slo_s=None, progress=False, max_concurrency=1, options=WorkloadOptions(images=(1, 2), output_len=4))))
     check_records(mm["runs"][0], 3, 4)
+    recs = mm["runs"][0]["records"]  # max_concurrency 1: each request is sent after the previous one ended
+    assert all(b["sent_s"] >= a["sent_s"] + a["e2e_s"] for a, b in zip(recs, recs[1:]))
     assert 3 <= mm["runs"][0]["workload"]["images"] <= 6
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": 200 * i, "input_length": 3000 + 500 * i, "output_length": 300,
@@ -99,3 +101,21 @@ def test_unreachable_server_is_a_clear_error(tmp_path):
                            "-n", "1", "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "cannot list models" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_voice_over_realtime_socket(tmp_path):
+    """The voice workload drives /v1/realtime (the openai SDK's realtime client): the
+    default SmolLM2 answers spoken questions transcribed by Whisper tiny.en in the E pool."""
+    with launch(None, "e:1,pd:1") as server:
+        out = tmp_path / "voice.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "epd.cli", "bench", "--base-url", server.url, "--workload", "voice",
+             "--rate", "inf", "-n", "2", "--max-concurrency", "1", "--output-len", "8", "--out", str(out),
+             "--no-progress", "--no-plots"], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    assert len(run["records"]) == 2
+    for r in run["records"]:
+        assert r["ok"], r["error"]
+        assert r["kind"] == "voice" and r["n_out_source"] == "usage" and 1 <= r["n_out"] <= 8
+        assert 0 < r["ttft_s"] <= r["e2e_s"] and r["finish_reason"] in ("stop", "length")

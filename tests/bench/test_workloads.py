@@ -60,7 +60,7 @@ def test_multimodal_images():
     img = Image.open(io.BytesIO(base64.b64decode(urls[0].split(",", 1)[1])))
     assert img.format == "JPEG" and max(img.size) <= 336
     assert specs[0].messages[-1]["content"][-1]["type"] == "text"
-    reused = build_requests("multimodal", 12, WorkloadOptions(images=(1, 1), image_reuse=1.0), seed=0)
+    reused = build_requests("multimodal", 12, WorkloadOptions(images=(1, 1), media_reuse=1.0), seed=0)
     assert len({u for s in reused for u in _image_urls(s)}) <= 6  # only the 6 canonical photos
 
 
@@ -70,6 +70,13 @@ def test_multimodal_audio_and_voice():
     assert kinds.count("audio") == 2
     part = specs[kinds.index("audio")].messages[-1]["content"][0]
     assert part["type"] == "input_audio" and base64.b64decode(part["input_audio"]["data"])[:4] == b"RIFF"
+
+    def clips(reuse):
+        specs = build_requests("multimodal", 6, WorkloadOptions(audio_share=1.0, media_reuse=reuse), seed=0)
+        return [s.messages[-1]["content"][0]["input_audio"]["data"] for s in specs]
+
+    assert len(set(clips(0.0))) == 6  # every clip altered: no transcript-cache hit
+    assert len(set(clips(1.0))) == 2  # the two short clips, byte-identical each time
     voice = build_requests("voice", 2, WorkloadOptions(output_len=16), seed=0)
     assert all(s.kind == "voice" and s.audio_pcm16 and len(s.audio_pcm16) % 2 == 0 for s in voice)
     # a 2-3 s clip at 24 kHz PCM16

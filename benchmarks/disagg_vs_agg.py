@@ -1,0 +1,279 @@
+"""Disaggregated vs aggregated serving on the same cores, side by side in one run.
+
+Two pool layouts with the same total devices (3 worker processes, 1 torch thread each,
+the whole process tree pinned to the same cores with ``taskset``):
+
+* aggregated    ``--pools e:1,pd:2``   (two engines doing chunked prefill + decode)
+* disaggregated ``--pools e:1,p:1,d:1`` (one prefill engine pushing KV to one decode engine)
+
+Each is started with ``epd launch`` (a subprocess, like a user would) and measured with
+``epd bench`` (:mod:`epd.bench`) through the OpenAI API:
+
+1. rate sweeps: ``chat`` and ``long-mix`` on the embedded SmolLM2-135M-Instruct,
+   ``multimodal`` (1-4 images per request) on a tiny random LLaVA (``epd model
+   create-tiny llava``): P99 ITL, P99 TTFT, SLO attainment per rate and DistServe goodput
+   (total and per device);
+2. cache effects, one request at a time: a repeated 768-token system prompt (prefix cache)
+   against a different one each time, a repeated speech clip (Whisper transcript cache)
+   and repeated images (encoder cache) against altered ones: TTFT with and without hits.
+
+    python benchmarks/disagg_vs_agg.py            # the full comparison (~20 min on 2 cores)
+    python benchmarks/disagg_vs_agg.py --quick    # smoke run (~5 min): fewer requests and rates
+
+Writes benchmarks/results/disagg_vs_agg.json (every request of every run), the tables as
+disagg_vs_agg.md, and PNGs (attainment vs rate and latency CDFs per workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from epd.bench import BenchConfig, WorkloadOptions, run_bench
+from epd.bench.cli import write_results
+from epd.bench.plots import plot_attainment, plot_cdfs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"aggregated": "e:1,pd:2", "disaggregated": "e:1,p:1,d:1"}
+DEVICES = 3  # worker processes in either layout
+
+
+@dataclass
+class Sweep:
+    """A rate sweep of one workload; SLOs in seconds."""
+
+    workload: str
+    model: str  # "smollm2" | "llava"
+    rates: list[float]
+    num_requests: int
+    duration_s: float
+    ttft_slo_s: float
+    tpot_slo_s: float
+    options: WorkloadOptions = field(default_factory=WorkloadOptions)
+
+
+@dataclass
+class CacheCase:
+    """TTFT of one-at-a-time requests with cache hits (``hit``) and without (``miss``)."""
+
+    name: str
+    model: str
+    workload: str
+    num_requests: int
+    hit: WorkloadOptions
+    miss: WorkloadOptions
+
+
+def plan(quick: bool) -> tuple[list[Sweep], list[CacheCase]]:
+    """What to run. Lengths and rates sized for SmolLM2 fp32 on 2 CPU cores."""
+    chat = WorkloadOptions(input_len=(32, 128), output_len=32)
+    long_mix = WorkloadOptions(input_len=(32, 128), output_len=32, long_share=0.2, long_input_len=(768, 1024))
+    mm = WorkloadOptions(input_len=(8, 24), output_len=32, images=(1, 4))
+    if quick:
+        sweeps = [Sweep("chat", "smollm2", [0.5, 1.5], 6, 15, 2.0, 0.15, chat),
+                  Sweep("long-mix", "smollm2", [0.5, 1.0], 5, 15, 4.0, 0.15, long_mix),
+                  Sweep("multimodal", "llava", [2.0, 6.0], 8, 10, 1.0, 0.05, mm)]
+        n_cache = 3
+    else:
+        sweeps = [Sweep("chat", "smollm2", [0.5, 1.0, 2.0], 20, 25, 2.0, 0.15, chat),
+                  Sweep("long-mix", "smollm2", [0.25, 0.5, 1.0], 20, 45, 4.0, 0.15, long_mix),
+                  Sweep("multimodal", "llava", [2.0, 4.0, 8.0], 40, 12, 1.0, 0.05, mm)]
+        n_cache = 5
+    sys_prompt = dict(input_len=(16, 24), output_len=4, system_prompt_len=768)
+    caches = [
+        CacheCase("prefix cache: repeated 768-token system prompt", "smollm2", "chat", n_cache,
+                  WorkloadOptions(system_prompt="shared", **sys_prompt),
+                  WorkloadOptions(system_prompt="unique", **sys_prompt)),
+        CacheCase("transcript cache: repeated speech clip (Whisper tiny.en)", "smollm2", "multimodal", n_cache,
+                  WorkloadOptions(audio_share=1.0, media_reuse=1.0, output_len=4),
+                  WorkloadOptions(audio_share=1.0, media_reuse=0.0, output_len=4)),
+        CacheCase("encoder cache: 4 repeated images (tiny CLIP)", "llava", "multimodal", n_cache * 2,
+                  WorkloadOptions(images=(4, 4), media_reuse=1.0, output_len=4),
+                  WorkloadOptions(images=(4, 4), media_reuse=0.0, output_len=4)),
+    ]
+    return sweeps, caches
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+@contextlib.contextmanager
+def serve(model: str | None, pools: str, cores: str, threads: int, timeout_s: float = 600.0):
+    """``taskset -c CORES epd launch --pools POOLS --threads-per-worker THREADS`` until it
+    prints that it serves; yields the base URL; SIGINT (then SIGKILL of the group) after."""
+    port = _free_port()
+    cmd = ["taskset", "-c", cores, sys.executable, "-m", "epd.cli", "launch", "--pools", pools, "--port", str(port),
+           "--threads-per-worker", str(threads), "--kv-cache-memory-gb", "1"]
+    if model is not None:
+        cmd += ["--model", model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving" in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ready.wait(0.5):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"epd launch --pools {pools} did not start:\n" + "".join(lines[-40:]))
+        print(f"  {lines[-1].strip()}", flush=True)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def sweep_table(sweeps: list[Sweep], results: dict) -> str:
+    """Markdown: per workload and rate, P99 ITL / P99 TTFT / attainment of both layouts,
+    then goodput (req/s, and per device)."""
+    out = ["| workload (model) | SLO TTFT / TPOT | rate req/s | P99 ITL ms agg / disagg | agg/disagg | "
+           "P99 TTFT ms agg / disagg | attainment agg / disagg |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    goodputs = ["| workload | goodput agg req/s (per device) | goodput disagg req/s (per device) | disagg/agg |",
+                "|---|---:|---:|---:|"]
+    for sw in sweeps:
+        agg, dis = results[sw.workload]["aggregated"], results[sw.workload]["disaggregated"]
+        for ra, rd in zip(agg["runs"], dis["runs"]):
+            sa, sd = ra["summary"], rd["summary"]
+            out.append(f"| {sw.workload} ({sw.model}) | {sw.ttft_slo_s} s / {sw.tpot_slo_s} s | {ra['rate']:g} | "
+                       f"{_ms(sa['itl_s']['p99'])} / {_ms(sd['itl_s']['p99'])} | "
+                       f"{_ratio(sa['itl_s']['p99'], sd['itl_s']['p99'])} | "
+                       f"{_ms(sa['ttft_s']['p99'])} / {_ms(sd['ttft_s']['p99'])} | "
+                       f"{sa['attainment']['both']:.0%} / {sd['attainment']['both']:.0%} |")
+        ga, gd = agg["goodput"], dis["goodput"]
+
+        def g(x: dict) -> str:
+            mark = {"lower_bound": ">= ", "never_met": "< "}.get(x["status"], "")
+            rate = x["rate"] if x["status"] != "never_met" else min(sw.rates)
+            return f"{mark}{rate:.2f} ({mark}{rate / DEVICES:.2f})"
+
+        ratio = _ratio(gd["rate"], ga["rate"]) if "interpolated" in (ga["status"], gd["status"]) or \
+            ga["status"] == gd["status"] == "exact" else "-"
+        goodputs.append(f"| {sw.workload} | {g(ga)} | {g(gd)} | {ratio} |")
+    return "\n".join(out) + "\n\n" + "\n".join(goodputs)
+
+
+def cache_table(caches: list[CacheCase], results: dict) -> str:
+    """Markdown: TTFT p50 without and with cache hits, per layout."""
+    out = ["| case | layout | TTFT p50 ms, no hits | TTFT p50 ms, hits | speed-up | cached prompt tokens (hits) |",
+           "|---|---|---:|---:|---:|---:|"]
+    for c in caches:
+        for layout in CONFIGS:
+            r = results[c.name][layout]
+            miss, hit = r["miss"]["runs"][0], r["hit"]["runs"][0]
+            tm, th = miss["summary"]["ttft_s"]["p50"], hit["summary"]["ttft_s"]["p50"]
+            cached = [x["cached_tokens"] for x in hit["records"][1:] if x["cached_tokens"] is not None]
+            out.append(f"| {c.name} | {layout} | {_ms(tm)} | {_ms(th)} | {_ratio(tm, th)} | "
+                       f"{sum(cached) / len(cached) if cached else 0:.0f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer requests and rates")
+    p.add_argument("--cores", default="0,1", help="CPUs both layouts are pinned to (taskset -c; default %(default)s)")
+    p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--only", choices=["smollm2", "llava"], default=None, help="run one model's part only")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    sweeps, caches = plan(args.quick)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    meta = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
+            "cores": args.cores, "threads_per_worker": args.threads_per_worker, "configs": CONFIGS,
+            "devices": DEVICES, "cpu_count": os.cpu_count(), "load_avg": {"start": _load()}}
+    results: dict = {}
+    with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
+        from epd.tiny import create_tiny_model
+
+        models = {"smollm2": None, "llava": str(create_tiny_model("llava", Path(tmp) / "llava", seed=0))}
+        for model_key in ("smollm2", "llava"):
+            if args.only and model_key != args.only:
+                continue
+            for layout, pools in CONFIGS.items():
+                print(f"== {model_key} on {layout} ({pools}), cores {args.cores}", flush=True)
+                with serve(models[model_key], pools, args.cores, args.threads_per_worker) as url:
+                    for sw in (s for s in sweeps if s.model == model_key):
+                        cfg = BenchConfig(url, workload=sw.workload, rates=sw.rates, num_requests=sw.num_requests,
+                                          duration_s=sw.duration_s, ttft_slo_s=sw.ttft_slo_s, tpot_slo_s=sw.tpot_slo_s,
+                                          num_devices=DEVICES, options=sw.options, seed=args.seed, progress=False)
+                        res = asyncio.run(run_bench(cfg))
+                        results.setdefault(sw.workload, {})[layout] = res
+                        g = res["goodput"]
+                        print(f"  {sw.workload}: " + ", ".join(
+                            f"{r['rate']:g} req/s: ITL p99 {_ms(r['summary']['itl_s']['p99'])} ms, TTFT p99 "
+                            f"{_ms(r['summary']['ttft_s']['p99'])} ms, attain {r['summary']['attainment']['both']:.0%}"
+                            for r in res["runs"]) + f"; goodput {g['rate']:.2f} ({g['status']})", flush=True)
+                    for c in (c for c in caches if c.model == model_key):
+                        entry = results.setdefault(c.name, {}).setdefault(layout, {})
+                        for which, opts in (("miss", c.miss), ("hit", c.hit)):
+                            cfg = BenchConfig(url, workload=c.workload, rates=[math.inf], num_requests=c.num_requests,
+                                              max_concurrency=1, ttft_slo_s=None, tpot_slo_s=None,
+                                              num_devices=DEVICES, options=opts, seed=args.seed + 1, progress=False)
+                            entry[which] = asyncio.run(run_bench(cfg))
+                        print(f"  {c.name}: TTFT p50 {_ms(entry['miss']['runs'][0]['summary']['ttft_s']['p50'])} ms "
+                              f"without hits, {_ms(entry['hit']['runs'][0]['summary']['ttft_s']['p50'])} ms with",
+                              flush=True)
+                meta["load_avg"][f"{model_key}/{layout}"] = _load()
+    meta["wall_s"] = round(time.monotonic() - t_start, 1)
+    meta["load_avg"]["end"] = _load()
+    done_sweeps = [s for s in sweeps if s.workload in results]
+    done_caches = [c for c in caches if c.name in results]
+    tables = sweep_table(done_sweeps, results) + "\n\n" + cache_table(done_caches, results)
+    stem = "disagg_vs_agg" + ("_quick" if args.quick else "")
+    (args.out_dir / f"{stem}.md").write_text(tables + "\n")
+    write_results({"bench": {"workload": "disagg_vs_agg", **meta}, "runs": [], "results": results},
+                  args.out_dir / f"{stem}.json", plots=False)
+    for sw in done_sweeps:
+        pair = [(layout, results[sw.workload][layout]) for layout in CONFIGS]
+        plot_attainment(pair, args.out_dir / f"{stem}_{sw.workload}_attainment.png")
+        plot_cdfs(pair, args.out_dir / f"{stem}_{sw.workload}_cdf.png")
+    print(tables)
+    print(f"load average (1/5/15 min) at start {meta['load_avg']['start']}, end {meta['load_avg']['end']}; "
+          f"wall {meta['wall_s']:.0f} s; wrote {args.out_dir}/{stem}.*")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
