@@ -120,12 +120,16 @@ def unpack_kv_ref(staging: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         ValueError: shapes, dtypes, block ids or head range that do not fit.
     """
     _check_unpack(staging, k_cache, v_cache, block_ids, head_start)
-    src_tp, _, n, bs, hs, d = staging.shape
-    full = staging.permute(1, 2, 3, 0, 4, 5).reshape(2, n, bs, src_tp * hs, d)
-    part = full[:, :, :, head_start:head_start + k_cache.shape[2]]
+    src_tp, hs = staging.shape[0], staging.shape[4]
+    head_end = head_start + k_cache.shape[2]
     ids = block_ids.to(device=k_cache.device, dtype=torch.long)
-    k_cache[ids] = part[0]
-    v_cache[ids] = part[1]
+    for r in range(src_tp):  # the prefill ranks' parts that hold some of our heads
+        lo, hi = max(head_start, r * hs), min(head_end, (r + 1) * hs)
+        if lo >= hi:
+            continue
+        part = staging[r, :, :, :, lo - r * hs:hi - r * hs]  # [2, n, block_size, hi - lo, head_dim]
+        k_cache[:, :, lo - head_start:hi - head_start].index_copy_(0, ids, part[0])
+        v_cache[:, :, lo - head_start:hi - head_start].index_copy_(0, ids, part[1])
 
 
 # --------------------------------------------------------------------------- Triton

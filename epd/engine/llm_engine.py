@@ -72,7 +72,12 @@ class LLMEngine:
         self.staging = None
         staging_args = None
         if kv_staging_blocks > 0:
+            from epd.config import ConfigError
             from epd.transfer.staging import StagingPool
+
+            if config.device != "cpu":
+                raise ConfigError("staged KV transfers (prefill TP != decode TP) run on CPU in this build: on GPUs "
+                                  "each TP rank needs its own NIXL agent and device staging buffer (not implemented)")
 
             layers = config.text_config.num_hidden_layers
             elems = 2 * config.block_size * config.num_kv_heads * config.head_dim
