@@ -260,3 +260,33 @@ def test_output_is_one_python_int_per_row():
     out = Sampler(0)(logits, [make_seq(temperature=t) for t in (0.0, 1.0, 0.0, 0.3, 2.0)])
     assert len(out) == 5 and all(isinstance(t, int) and 0 <= t < 30 for t in out)
     assert not math.isnan(sum(out))
+
+
+def test_token_logprobs_are_raw_log_softmax_with_top_k():
+    from epd.layers.sampler import token_logprobs
+
+    logits = randn(3, 50, seed=4, scale=3.0)
+    # Penalties and temperature change the draw, never the reported (raw) logprobs.
+    seqs = [make_seq(logprobs=3, temperature=0.7, presence_penalty=1.0, outputs=[5]), make_seq(),
+            make_seq(logprobs=0)]
+    tokens = [7, 8, 9]
+    out = token_logprobs(logits, seqs, tokens)
+    ref = torch.log_softmax(logits.double(), -1)
+    assert out[1] is None
+    assert out[0].token_id == 7 and out[0].logprob == pytest.approx(float(ref[0, 7]), abs=1e-5)
+    assert out[0].top_ids == ref[0].topk(3).indices.tolist()
+    assert out[0].top_logprobs == pytest.approx(ref[0].topk(3).values.tolist(), abs=1e-5)
+    assert out[2].top_ids == [] and out[2].logprob == pytest.approx(float(ref[2, 9]), abs=1e-5)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+
+
+def test_offline_engine_returns_logprobs_per_token(tiny_model_dirs):
+    from epd import LLM
+
+    llm = LLM(tiny_model_dirs["llama"], block_size=8)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, logprobs=2))[0].outputs[0]
+    llm.shutdown()
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    assert all(lp.top_ids[0] == t and lp.logprob == pytest.approx(lp.top_logprobs[0]) for lp, t in
+               zip(out.logprobs, out.token_ids))  # greedy: each token is its step's top-1
