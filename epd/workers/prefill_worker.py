@@ -240,4 +240,5 @@ class PrefillWorker(EngineWorker):
     def stats(self) -> dict[str, float]:
         s = super().stats()
         s["num_sending"] = sum(1 for j in self.jobs.values() if j.first_token is not None)
+        s["num_waiting_staging"] = len(self.waiting_staging)
         return s
