@@ -370,3 +370,54 @@ def test_audio_native_model_hears_embeddings(tmp_path):
     assert r.usage.input_tokens == len(out.prompt_token_ids)
     assert r.usage.input_token_details.audio_tokens > 0
     assert texts(log, r.id)[0] == out.outputs[0].text
+
+
+def test_conversation_order_delete_and_out_of_band_response(server, offline):
+    """previous_item_id places items, delete removes them, conversation "none" answers
+    from its own input without joining the conversation: checked through the exact
+    prompt length each response reports."""
+
+    def user(text: str) -> dict:
+        return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+    async def go():
+        log: list = []
+        async with connect(server) as conn:
+            await until(conn, lambda e: e.type == "session.created")
+            await conn.conversation.item.create(item=user("The sky is blue."))
+            a = await until(conn, lambda e: True, log)
+            await conn.conversation.item.create(item=user("Grass is green."), previous_item_id="root")
+            b = await until(conn, lambda e: True, log)
+            await conn.conversation.item.create(previous_item_id=b.item.id, item={
+                "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Noted."}]})
+            c = await until(conn, lambda e: True, log)
+            await conn.conversation.item.create(item=user("x"), previous_item_id="item_nope", event_id="evt_prev")
+            bad_prev = await until(conn, lambda e: True, log)
+            await conn.conversation.item.delete(item_id=c.item.id)
+            deleted = await until(conn, lambda e: True, log)
+            await conn.conversation.item.delete(item_id=c.item.id, event_id="evt_del")
+            bad_del = await until(conn, lambda e: True, log)
+            await conn.response.create(response={"conversation": "none", "instructions": "Be brief.",
+                                                 "max_output_tokens": 2,
+                                                 "input": [{"type": "item_reference", "id": a.item.id}]})
+            oob = await until(conn, lambda e: e.type == "response.done", log)
+            await conn.response.create(response={"max_output_tokens": 2})
+            main = await until(conn, lambda e: e.type == "response.done", log)
+            return log, a, b, c, bad_prev, deleted, bad_del, oob, main
+
+    log, a, b, c, bad_prev, deleted, bad_del, oob, main = asyncio.run(go())
+    assert a.type == b.type == c.type == "conversation.item.created"
+    assert a.previous_item_id is None and b.previous_item_id is None and c.previous_item_id == b.item.id
+    assert bad_prev.type == "error" and bad_prev.error.code == "item_not_found"
+    assert bad_prev.error.event_id == "evt_prev"
+    assert deleted.type == "conversation.item.deleted" and deleted.item_id == c.item.id
+    assert bad_del.type == "error" and bad_del.error.event_id == "evt_del"
+    tok = offline.tokenizer
+    assert oob.response.conversation_id is None
+    assert oob.response.usage.input_tokens == prompt_len(tok, [{"role": "system", "content": "Be brief."},
+                                                               {"role": "user", "content": "The sky is blue."}])
+    assert not [e for e in log if e.type == "conversation.item.created" and e.item.role == "assistant"
+                and e.item.id == oob.response.output[0].id]
+    # The conversation is B, A (C deleted; the out-of-band answer is not in it).
+    assert main.response.usage.input_tokens == prompt_len(tok, [{"role": "user", "content": "Grass is green."},
+                                                                {"role": "user", "content": "The sky is blue."}])
