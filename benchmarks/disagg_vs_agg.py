@@ -37,7 +37,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,33 +117,32 @@ def _load() -> list[float]:
 
 
 @contextlib.contextmanager
-def serve(model: str | None, pools: str, cores: str, threads: int, timeout_s: float = 600.0):
-    """``taskset -c CORES epd launch --pools POOLS --threads-per-worker THREADS`` until it
-    prints that it serves; yields the base URL; SIGINT (then SIGKILL of the group) after."""
+def serve(model: str | None, pools: str, cores: str, threads: int, log: Path, timeout_s: float = 600.0):
+    """``taskset -c CORES epd launch --pools POOLS --threads-per-worker THREADS`` (output to
+    ``log``) until ``GET /health`` answers 200; yields the base URL; SIGINT (then SIGKILL of
+    the process group) after."""
+    import httpx
+
     port = _free_port()
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "epd.cli", "launch", "--pools", pools, "--port", str(port),
            "--threads-per-worker", str(threads), "--kv-cache-memory-gb", "1"]
     if model is not None:
         cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "serving" in line:
-                ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+    t0 = time.monotonic()
     try:
-        while not ready.wait(0.5):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"epd launch --pools {pools} did not start:\n" + "".join(lines[-40:]))
-        print(f"  {lines[-1].strip()}", flush=True)
-        yield f"http://127.0.0.1:{port}"
+        while True:
+            if proc.poll() is not None or time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"epd launch --pools {pools} did not start; see {log}:\n" + log.read_text()[-3000:])
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(1.0)
+        print(f"  serving {pools} on {url} (ready in {time.monotonic() - t0:.0f} s; log {log})", flush=True)
+        yield url
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -161,6 +159,30 @@ def _ms(v: float | None) -> str:
 
 def _ratio(a: float | None, b: float | None) -> str:
     return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def _bounded(g: dict, rates: list[float]) -> tuple[float, int]:
+    """(rate, direction): direction +1 = at least (every swept rate met the target),
+    -1 = below the lowest swept rate (none met it), 0 = interpolated or exact."""
+    if g["status"] == "lower_bound":
+        return g["rate"], 1
+    if g["status"] == "never_met":
+        return min(rates), -1
+    return g["rate"], 0
+
+
+def _goodput(g: dict, rates: list[float]) -> str:
+    rate, d = _bounded(g, rates)
+    mark = {1: ">= ", -1: "< ", 0: ""}[d]
+    return f"{mark}{rate:.2f} ({mark}{rate / DEVICES:.2f})"
+
+
+def _goodput_ratio(num: dict, den: dict, rates: list[float]) -> str:
+    """num / den with the direction the bounds allow; "-" when they allow none."""
+    (a, da), (b, db) = _bounded(num, rates), _bounded(den, rates)
+    if da == db:
+        return f"{a / b:.2f}x" if da == 0 else "-"
+    return (">= " if da >= db else "<= ") + f"{a / b:.2f}x"
 
 
 def sweep_table(sweeps: list[Sweep], results: dict) -> str:
@@ -181,15 +203,8 @@ def sweep_table(sweeps: list[Sweep], results: dict) -> str:
                        f"{_ms(sa['ttft_s']['p99'])} / {_ms(sd['ttft_s']['p99'])} | "
                        f"{sa['attainment']['both']:.0%} / {sd['attainment']['both']:.0%} |")
         ga, gd = agg["goodput"], dis["goodput"]
-
-        def g(x: dict) -> str:
-            mark = {"lower_bound": ">= ", "never_met": "< "}.get(x["status"], "")
-            rate = x["rate"] if x["status"] != "never_met" else min(sw.rates)
-            return f"{mark}{rate:.2f} ({mark}{rate / DEVICES:.2f})"
-
-        ratio = _ratio(gd["rate"], ga["rate"]) if "interpolated" in (ga["status"], gd["status"]) or \
-            ga["status"] == gd["status"] == "exact" else "-"
-        goodputs.append(f"| {sw.workload} | {g(ga)} | {g(gd)} | {ratio} |")
+        goodputs.append(f"| {sw.workload} | {_goodput(ga, sw.rates)} | {_goodput(gd, sw.rates)} | "
+                        f"{_goodput_ratio(gd, ga, sw.rates)} |")
     return "\n".join(out) + "\n\n" + "\n".join(goodputs)
 
 
@@ -208,6 +223,22 @@ def cache_table(caches: list[CacheCase], results: dict) -> str:
     return "\n".join(out)
 
 
+def report(sweeps: list[Sweep], caches: list[CacheCase], results: dict, meta: dict, out_dir: Path, stem: str) -> None:
+    """Print the tables, write them as ``<stem>.md`` and the per-workload PNGs."""
+    done_sweeps = [s for s in sweeps if len(results.get(s.workload, {})) == len(CONFIGS)]
+    done_caches = [c for c in caches if len(results.get(c.name, {})) == len(CONFIGS)]
+    tables = sweep_table(done_sweeps, results) + "\n\n" + cache_table(done_caches, results)
+    (out_dir / f"{stem}.md").write_text(tables + "\n")
+    for sw in done_sweeps:
+        pair = [(layout, results[sw.workload][layout]) for layout in CONFIGS]
+        plot_attainment(pair, out_dir / f"{stem}_{sw.workload}_attainment.png")
+        plot_cdfs(pair, out_dir / f"{stem}_{sw.workload}_cdf.png")
+    print(tables)
+    load = meta["load_avg"]
+    print(f"load average (1/5/15 min) at start {load['start']}, end {load.get('end')}; wall {meta.get('wall_s')} s; "
+          f"wrote {out_dir}/{stem}.*")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: fewer requests and rates")
@@ -216,11 +247,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["smollm2", "llava"], default=None, help="run one model's part only")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", type=Path, default=None, help="only rebuild tables and plots from this results JSON")
     args = p.parse_args(argv)
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        sweeps, caches = plan(saved["bench"]["quick"])
+        report(sweeps, caches, saved["results"], saved["bench"], args.report.parent, args.report.stem)
+        return 0
     sweeps, caches = plan(args.quick)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    meta = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
+    meta = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick, "only": args.only,
             "cores": args.cores, "threads_per_worker": args.threads_per_worker, "configs": CONFIGS,
             "devices": DEVICES, "cpu_count": os.cpu_count(), "load_avg": {"start": _load()}}
     results: dict = {}
@@ -233,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for layout, pools in CONFIGS.items():
                 print(f"== {model_key} on {layout} ({pools}), cores {args.cores}", flush=True)
-                with serve(models[model_key], pools, args.cores, args.threads_per_worker) as url:
+                log = args.out_dir / f"disagg_vs_agg_{model_key}_{layout}.log"
+                with serve(models[model_key], pools, args.cores, args.threads_per_worker, log) as url:
                     for sw in (s for s in sweeps if s.model == model_key):
                         cfg = BenchConfig(url, workload=sw.workload, rates=sw.rates, num_requests=sw.num_requests,
                                           duration_s=sw.duration_s, ttft_slo_s=sw.ttft_slo_s, tpot_slo_s=sw.tpot_slo_s,
@@ -258,20 +296,17 @@ def main(argv: list[str] | None = None) -> int:
                 meta["load_avg"][f"{model_key}/{layout}"] = _load()
     meta["wall_s"] = round(time.monotonic() - t_start, 1)
     meta["load_avg"]["end"] = _load()
-    done_sweeps = [s for s in sweeps if s.workload in results]
-    done_caches = [c for c in caches if c.name in results]
-    tables = sweep_table(done_sweeps, results) + "\n\n" + cache_table(done_caches, results)
     stem = "disagg_vs_agg" + ("_quick" if args.quick else "")
-    (args.out_dir / f"{stem}.md").write_text(tables + "\n")
+    meta["parts"] = {args.only or "all": dict(meta)}  # when and under what load each part ran
+    previous = args.out_dir / f"{stem}.json"
+    if args.only and previous.exists():  # one model's part: merge into the other part's results
+        old = json.loads(previous.read_text())
+        if old["bench"].get("quick") == args.quick:
+            results = {**old["results"], **results}
+            meta["parts"] = {**old["bench"].get("parts", {}), **meta["parts"]}
     write_results({"bench": {"workload": "disagg_vs_agg", **meta}, "runs": [], "results": results},
                   args.out_dir / f"{stem}.json", plots=False)
-    for sw in done_sweeps:
-        pair = [(layout, results[sw.workload][layout]) for layout in CONFIGS]
-        plot_attainment(pair, args.out_dir / f"{stem}_{sw.workload}_attainment.png")
-        plot_cdfs(pair, args.out_dir / f"{stem}_{sw.workload}_cdf.png")
-    print(tables)
-    print(f"load average (1/5/15 min) at start {meta['load_avg']['start']}, end {meta['load_avg']['end']}; "
-          f"wall {meta['wall_s']:.0f} s; wrote {args.out_dir}/{stem}.*")
+    report(sweeps, caches, results, meta, args.out_dir, stem)
     return 0
 
 

@@ -86,15 +86,17 @@ def plot_attainment(results: list[tuple[str, dict]], path: str | Path) -> Path:
         g = res.get("goodput")
         if g:
             target = g["target"]
-            if g["rate"] > 0:
-                ax.plot([g["rate"]], [g["target"]], "*", ms=14, color=line.get_color())
+            if g["status"] != "never_met":  # a right-pointing triangle: every swept rate met it (a lower bound)
+                ax.plot([g["rate"]], [g["target"]], ">" if g["status"] == "lower_bound" else "*",
+                        ms=12 if g["status"] == "lower_bound" else 14, color=line.get_color())
     if target is not None:
         ax.axhline(target, color="k", ls="--", lw=0.8)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment")
     ax.set_ylim(-0.02, 1.02)
     slo = results[0][1]["bench"]["slo"] if results else {}
-    ax.set_title(f"SLO attainment (TTFT {slo.get('ttft_s')} s, TPOT {slo.get('tpot_s')} s); * = goodput")
+    ax.set_title(f"SLO attainment (TTFT {slo.get('ttft_s')} s, TPOT {slo.get('tpot_s')} s)\n"
+                 "* goodput, > goodput at least this (every rate met the target)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
