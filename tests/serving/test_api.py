@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import io
 import os
 import re
 import subprocess
@@ -22,16 +21,16 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import openai
 import psutil
 import pytest
-import soundfile as sf
-from PIL import Image
 
 from epd import LLM, SamplingParams
 from epd.tiny import AUDIO_TOKEN, create_tiny_model
 from tests.serving.conftest import launch
+from tests.serving.media import data_url as _data_url
+from tests.serving.media import png as _png
+from tests.serving.media import wav as _wav
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,26 +44,6 @@ LIST_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def _png(seed: int, size: tuple[int, int] = (30, 40)) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
-
-
-def _wav(seed: int, seconds: float = 1.0) -> bytes:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(16000 * seconds)) / 16000
-    x = (0.3 * np.sin(2 * np.pi * (220 + 50 * seed) * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
-    buf = io.BytesIO()
-    sf.write(buf, x, 16000, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
