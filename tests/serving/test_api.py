@@ -438,6 +438,12 @@ def test_audio_part_on_aggregated_pool(audio_server, audio_dir):
     texts, _, _ = _stream_texts(client.chat.completions.create(model=model, messages=messages,
                                                                max_tokens=10, temperature=0, stream=True))
     assert texts[0] == expected
+    # logprobs ride the aggregated pool's token stream too: one per token, greedy = top-1
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=10, temperature=0,
+                                       logprobs=True, top_logprobs=1)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == expected and len(content) == r.usage.completion_tokens
+    assert all(c.top_logprobs[0].token == c.token and c.logprob <= 0 for c in content)
     out = subprocess.run([sys.executable, "examples/chat_audio.py", "--base-url", audio_server.url + "/v1",
                           "--max-tokens", "8"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OPENAI_API_KEY": KEY})
