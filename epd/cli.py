@@ -133,7 +133,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     pools = parse_pools(args.pools)
     parse_tp(args.tp, pools)
-    check_port_free(args.host, args.port)
+    args.http_socket = check_port_free(args.host, args.port, keep=True)  # held until uvicorn serves on it
     path = resolve_model(args.model)
     text_cfg = AutoConfig.from_pretrained(str(path)).get_text_config()
     plan = build_launch_plan(args.pools, args.tp, num_attention_heads=text_cfg.num_attention_heads,

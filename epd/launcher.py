@@ -137,29 +137,37 @@ def _resolve_host(host: str, port: int) -> tuple:
     return infos[0]
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, keep: bool = False) -> socket.socket | None:
     """Raise :class:`LaunchSpecError` unless a TCP server could listen on ``host:port``.
 
     Binds (with SO_REUSEADDR, as uvicorn does, so sockets in TIME_WAIT don't count)
-    and releases a socket. Port 0 (pick any) is always free.
+    a socket and releases it, or with ``keep`` returns it bound (not listening) so
+    that nothing else - the workers' own ZeroMQ/UCX ports included - takes the port
+    while the workers start; the HTTP server then serves on it. Port 0 (pick any)
+    is always free.
     """
     if not 0 <= port <= 65535:
         raise LaunchSpecError(f"port {port} is out of range: pick one in 1..65535 with --port")
     family, socktype, proto, _, addr = _resolve_host(host, port)
-    with socket.socket(family, socktype, proto) as s:
+    s = socket.socket(family, socktype, proto)
+    try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise LaunchSpecError(f"port {port} on {host} is already in use: pick another with --port") from None
-            if e.errno == errno.EACCES:
-                raise LaunchSpecError(f"no permission to listen on port {port} on {host} (ports below 1024 "
-                                      "need privileges): pick another with --port") from None
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise LaunchSpecError(f"address {host} is not an address of this machine: pass one it has, "
-                                      "e.g. --host 127.0.0.1") from None
-            raise LaunchSpecError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        s.bind(addr)
+    except OSError as e:
+        s.close()
+        if e.errno == errno.EADDRINUSE:
+            raise LaunchSpecError(f"port {port} on {host} is already in use: pick another with --port") from None
+        if e.errno == errno.EACCES:
+            raise LaunchSpecError(f"no permission to listen on port {port} on {host} (ports below 1024 "
+                                  "need privileges): pick another with --port") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise LaunchSpecError(f"address {host} is not an address of this machine: pass one it has, "
+                                  "e.g. --host 127.0.0.1") from None
+        raise LaunchSpecError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    if keep:
+        return s
+    s.close()
+    return None
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

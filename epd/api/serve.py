@@ -120,11 +120,15 @@ async def serve(plan, model_dir: Path, args, t0: float, worker_args: list[str]) 
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
         server = uvicorn.Server(config)
         pools = ",".join(f"{p.role}:{p.devices}" for p in plan)
-        print(f"epd: serving {model_name} on http://{args.host}:{args.port} (pools {pools}; "
+        sock = getattr(args, "http_socket", None)
+        if sock is not None:
+            sock.listen(config.backlog)  # connections made after the line below queue until uvicorn accepts
+        port = sock.getsockname()[1] if sock is not None else args.port
+        print(f"epd: serving {model_name} on http://{args.host}:{port} (pools {pools}; "
               f"ready in {time.monotonic() - t0:.1f} s)", flush=True)
         supervisor = asyncio.create_task(supervise(launcher, router, getattr(args, "max_worker_restarts", 5)))
         try:
-            await server.serve()
+            await server.serve(sockets=[sock] if sock is not None else None)
         finally:
             supervisor.cancel()
         return 0
