@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import base64
 import os
+import sys
 from pathlib import Path
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 DEFAULT_CLIP = Path(__file__).resolve().parents[1] / "tests" / "data" / "speech" / "capital_of_france.wav"
 
@@ -39,4 +40,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BadRequestError as e:  # e.g. a model without a vision tower / speech front end
+        sys.exit(f"the server refused the request: {e.body.get('message') if isinstance(e.body, dict) else e}")

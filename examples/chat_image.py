@@ -16,8 +16,9 @@ import base64
 import io
 import mimetypes
 import os
+import sys
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 
 def image_data_url(path: str | None) -> str:
@@ -57,4 +58,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BadRequestError as e:  # e.g. a model without a vision tower / speech front end
+        sys.exit(f"the server refused the request: {e.body.get('message') if isinstance(e.body, dict) else e}")
