@@ -300,10 +300,12 @@ class RealtimeSession:
 
     # ---- outbound ----------------------------------------------------------------------
     def emit(self, type_: str, **fields: Any) -> None:
+        """Queue server event ``type_`` (a fresh ``event_id`` is added)."""
         self.out.put_nowait(json.dumps({"type": type_, "event_id": _new_id("event"), **fields}))
 
     def emit_error(self, message: str, *, event_id: str | None = None, param: str | None = None,
                    code: str | None = None, kind: str = "invalid_request_error") -> None:
+        """Queue an ``error`` event; ``event_id`` is the client event at fault (None for bad JSON)."""
         self.emit("error", error={"type": kind, "code": code, "message": message, "param": param,
                                   "event_id": event_id})
 
@@ -312,6 +314,7 @@ class RealtimeSession:
             await self.ws.send_text(data)
 
     def session_json(self) -> dict:
+        """The session as ``session.created`` / ``session.updated`` carry it."""
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.api.model_name,
                 "output_modalities": ["text"], "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens, "temperature": self.temperature,
@@ -321,6 +324,8 @@ class RealtimeSession:
 
     # ---- the socket --------------------------------------------------------------------
     async def run(self) -> None:
+        """Serve the socket (already accepted) until the client closes it; then cancel
+        the response in flight (aborting it on every worker) and pending transcriptions."""
         writer = asyncio.create_task(self._write())
         try:
             self.emit("session.created", session=self.session_json())
@@ -400,6 +405,7 @@ class RealtimeSession:
                               "unsupported_modality")
 
     async def on_session_update(self, ev: _SessionUpdate) -> None:
+        """Validate every field first, then apply them all (or none: an error event)."""
         s, sent = ev.session, ev.session.model_fields_set
         new: dict[str, Any] = {}
         if s.type not in (None, "realtime"):
@@ -449,6 +455,8 @@ class RealtimeSession:
         self.buffer += data
 
     async def on_commit(self, ev: _Loose) -> None:
+        """Buffer -> a user item (int16 PCM kept at the session rate); barge-in if a
+        response streams; transcription starts at once for text-only models."""
         ms = len(self.buffer) / 2 / self.rate * 1000
         if ms < MIN_COMMIT_MS:
             raise ClientError(f"the input audio buffer holds {ms:.0f} ms of audio; at least {MIN_COMMIT_MS} ms is "
@@ -565,6 +573,7 @@ class RealtimeSession:
 
     # ---- responses ----------------------------------------------------------------------------
     async def on_response_create(self, ev: _ResponseCreate) -> None:
+        """Fix the prompt's items now, answer ``response.created``, run the response task."""
         if self.active is not None:
             raise ClientError(f"response {self.active.id} is still in progress; cancel it or wait for its "
                               f"response.done", None, "conversation_already_has_active_response")

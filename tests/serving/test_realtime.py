@@ -206,10 +206,11 @@ def test_cancel_mid_answer_frees_the_decode_slot(server):
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": story}]})
             await conn.response.create(response={"max_output_tokens": 400})
-            n = 0
-            while n < 3:
+            stamps = []  # delta arrival times: the ITL that bounds the slot-free time
+            while len(stamps) < 3:
                 ev = await until(conn, lambda e: True, log)
-                n += ev.type == "response.output_text.delta"
+                if ev.type == "response.output_text.delta":
+                    stamps.append(time.perf_counter())
             assert not _slots_free(_decode_idle(server))  # the answer holds a decode slot
             t_cancel = time.perf_counter()
             await conn.response.cancel(event_id="evt_cancel")
@@ -226,9 +227,9 @@ def test_cancel_mid_answer_frees_the_decode_slot(server):
                                                       "content": [{"type": "input_text", "text": "Say hi."}]})
             await conn.response.create(response={"max_output_tokens": 4})
             nxt = await until(conn, lambda e: e.type == "response.done" and e.response.id != done.response.id, log)
-            return log, done, nxt, at_done, t_done - t_cancel, t_free - t_cancel
+            return log, done, nxt, at_done, t_done - t_cancel, t_free - t_cancel, (stamps[2] - stamps[0]) / 2
 
-    log, done, nxt, at_done, cancel_s, free_s = asyncio.run(go())
+    log, done, nxt, at_done, cancel_s, free_s, itl_s = asyncio.run(go())
     r = done.response
     assert r.status == "cancelled" and r.status_details.reason == "client_cancelled"
     assert 3 <= r.usage.output_tokens < 400
@@ -238,7 +239,7 @@ def test_cancel_mid_answer_frees_the_decode_slot(server):
     assert r.output[0].content[0].text == text and r.output[0].status == "incomplete"
     assert nxt.response.status in ("completed", "incomplete")
     print(f"\nrealtime cancel: response.cancel -> response.done {cancel_s * 1000:.1f} ms, "
-          f"-> decode slot free (seen via /epd/workers) {free_s * 1000:.1f} ms")
+          f"-> decode slot free (seen via /epd/workers) {free_s * 1000:.1f} ms; ITL before it {itl_s * 1000:.1f} ms")
 
 
 def test_speech_committed_while_answering_barges_in(server):
@@ -306,8 +307,12 @@ def test_bad_events_get_errors_and_the_session_goes_on(server):
             await expect_error("empty_commit", lambda: conn.input_audio_buffer.commit(event_id="evt_commit"))
             await expect_error("no_response", lambda: conn.response.cancel(event_id="evt_cancel"))
             await expect_error("no_conversation", lambda: conn.response.create(event_id="evt_create"))
+            await expect_error("temperature", lambda: conn.session.update(event_id="evt_temp", session={
+                "type": "realtime", "temperature": 5.0}))
+            await expect_error("vad", lambda: conn.session.update(event_id="evt_vad", session={
+                "type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}))
             # Still working: the format is unchanged, audio goes in, a text turn is answered.
-            await conn.session.update(session={"type": "realtime", "max_output_tokens": 4})
+            await conn.session.update(session={"type": "realtime", "max_output_tokens": 4, "temperature": 0.5})
             upd = await until(conn, lambda e: True)
             await conn.input_audio_buffer.append(audio=base64.b64encode(bytes(9600)).decode())  # 200 ms
             await conn.input_audio_buffer.clear()
@@ -324,7 +329,7 @@ def test_bad_events_get_errors_and_the_session_goes_on(server):
     for name, eid in [("unknown", "evt_u"), ("fields", "evt_f"), ("pcmu", "evt_pcmu"), ("rate", "evt_rate"),
                       ("wav", "evt_wav"), ("odd", "evt_odd"), ("base64", "evt_b64"), ("oversized", "evt_big"),
                       ("empty_commit", "evt_commit"), ("no_response", "evt_cancel"),
-                      ("no_conversation", "evt_create")]:
+                      ("no_conversation", "evt_create"), ("temperature", "evt_temp"), ("vad", "evt_vad")]:
         assert errors[name].event_id == eid, name
         assert errors[name].type == "invalid_request_error"
     assert "no.such.event" in errors["unknown"].message
@@ -333,6 +338,8 @@ def test_bad_events_get_errors_and_the_session_goes_on(server):
     assert errors["oversized"].code == "audio_too_large"
     assert errors["empty_commit"].code == "input_audio_buffer_commit_empty"
     assert upd.type == "session.updated" and upd.session.audio.input.format.rate == 24000
+    assert upd.session.temperature == 0.5 and upd.session.max_output_tokens == 4
+    assert upd.session.audio.input.turn_detection is None
     assert cleared.type == "input_audio_buffer.cleared"
     assert not [e for e in log if e.type == "error"]
     assert done.response.status in ("completed", "incomplete") and done.response.usage.output_tokens > 0
