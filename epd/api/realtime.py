@@ -23,7 +23,8 @@ Client events handled:
 * ``conversation.item.create``: a ``message`` with role ``user`` (``input_text`` /
   ``input_audio`` parts), ``assistant`` (``output_text``) or ``system`` (``input_text``);
   ``previous_item_id`` (``"root"``, an item id, or none: append).
-  ``conversation.item.delete``.
+  ``conversation.item.delete``. A session holds at most ``MAX_ITEMS`` items and
+  ``MAX_SESSION_BYTES`` of text and audio (a transcribed clip's audio is not kept).
 * ``response.create``: ``instructions``, ``max_output_tokens``, ``output_modalities``,
   ``metadata``, ``conversation`` (``"auto"`` or ``"none"``), ``input`` (items or
   ``item_reference``\\ s instead of the conversation), epd extension ``temperature``.
@@ -102,6 +103,8 @@ MAX_APPEND_BYTES = 4 * 2**20
 MAX_BUFFER_SECONDS = 300.0
 MIN_COMMIT_MS = 100
 MAX_ITEMS = 1000
+#: text and PCM a session holds (conversation + input buffer); a transcribed clip's PCM is dropped
+MAX_SESSION_BYTES = 64 * 2**20
 DEFAULT_MAX_OUTPUT_TOKENS = 256
 # Containers whose bytes a client may send by mistake where raw PCM is expected.
 _CONTAINER_MAGIC = {b"RIFF": "WAV", b"fLaC": "FLAC", b"OggS": "OGG", b"ID3": "MP3"}
@@ -452,6 +455,7 @@ class RealtimeSession:
         if (len(self.buffer) + len(data)) / 2 / self.rate > MAX_BUFFER_SECONDS:
             raise ClientError(f"the input audio buffer would exceed {MAX_BUFFER_SECONDS:g} s; commit or clear it",
                               "audio", "input_audio_buffer_full")
+        self._check_room(len(data))
         self.buffer += data
 
     async def on_commit(self, ev: _Loose) -> None:
@@ -463,10 +467,15 @@ class RealtimeSession:
                               f"needed to commit", None, "input_audio_buffer_commit_empty")
         if self.active is not None:  # barge-in: the user spoke over the answer
             await self.cancel_active("turn_detected")
-        pcm = np.frombuffer(bytes(self.buffer), dtype="<i2").astype(np.int16)
-        self.buffer.clear()
-        item = _Item(_new_id("item"), "user", [_Part("input_audio", pcm=pcm, rate=self.rate)])
-        prev = self._insert(item, None)
+        data = bytes(self.buffer)
+        self.buffer.clear()  # its bytes move into the item
+        item = _Item(_new_id("item"), "user", [_Part("input_audio", pcm=np.frombuffer(data, dtype="<i2").astype(
+            np.int16), rate=self.rate)])
+        try:
+            prev = self._insert(item, None)
+        except ClientError:
+            self.buffer += data  # not committed: the audio stays in the buffer
+            raise
         self.emit("input_audio_buffer.committed", item_id=item.id, previous_item_id=prev)
         self.emit("conversation.item.created", item=item.to_json(), previous_item_id=prev)
         self._start_asr(item)
@@ -476,10 +485,21 @@ class RealtimeSession:
         self.emit("input_audio_buffer.cleared")
 
     # ---- conversation ------------------------------------------------------------------------
+    @staticmethod
+    def _item_bytes(item: _Item) -> int:
+        return sum(len(p.text or "") + (p.pcm.nbytes if p.pcm is not None else 0) for p in item.parts)
+
+    def _check_room(self, more: int) -> None:
+        held = sum(self._item_bytes(it) for it in self.items) + len(self.buffer)
+        if held + more > MAX_SESSION_BYTES:
+            raise ClientError(f"the session would hold {held + more} bytes of text and audio, over its "
+                              f"{MAX_SESSION_BYTES}-byte limit; delete items first", None, "session_full")
+
     def _insert(self, item: _Item, previous_item_id: str | None) -> str | None:
         if len(self.items) >= MAX_ITEMS:
             raise ClientError(f"the conversation has {MAX_ITEMS} items, the limit; delete some first", None,
                               "conversation_full")
+        self._check_room(self._item_bytes(item))
         if any(it.id == item.id for it in self.items):
             raise ClientError(f"an item with id {item.id!r} already exists", "item.id", "item_already_exists")
         if previous_item_id is None:
@@ -567,6 +587,7 @@ class RealtimeSession:
                       error={"type": "transcription_error", "code": None, "message": str(e), "param": None})
             raise
         part.transcript = text.strip()
+        part.pcm = None  # the transcript is what the model hears from now on
         self.emit("conversation.item.input_audio_transcription.completed", item_id=item.id, content_index=idx,
                   transcript=part.transcript)
         return part.transcript
