@@ -396,7 +396,8 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
         if images:
             mm["image"] = images
         if audios and processor.modalities.get("audio") == "transcribe":
-            items = [processor.audio_item(a) for a in audios]
+            # decoding media is CPU work: off the event loop, so other streams keep flowing
+            items = await asyncio.to_thread(lambda: [processor.audio_item(a) for a in audios])
             texts = await router.transcribe(rid + "-asr", items)
             for msg in msgs:
                 while AUDIO_PLACEHOLDER in msg["content"] and texts:
@@ -409,7 +410,8 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             raise _BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
         return prompt, mm
 
-    def prepare(body: _SamplingFields, prompt: str | list[int], mm: dict, chat: bool) -> tuple[str, list[_Choice]]:
+    async def prepare(body: _SamplingFields, prompt: str | list[int], mm: dict,
+                      chat: bool) -> tuple[str, list[_Choice]]:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:20]}{next(ids)}"
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < vocab_size]
@@ -420,7 +422,7 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             ids_ = tokenizer.encode(prompt, add_special_tokens=not chat)
         if not ids_:
             raise _BadRequest("the prompt is empty", "prompt")
-        processed = processor.process(ids_, mm)
+        processed = await asyncio.to_thread(processor.process, ids_, mm) if mm else processor.process(ids_, mm)
         if isinstance(body, ChatRequest):
             if body.top_logprobs is not None and not body.logprobs:
                 raise _BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -663,7 +665,7 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
                 prompt, mm = await render_chat(body, uuid.uuid4().hex[:8])
             else:
                 prompt, mm = body.prompt, {}
-            rid, choices = prepare(body, prompt, mm, chat)
+            rid, choices = await prepare(body, prompt, mm, chat)
             return await respond(request, body, rid, choices, chat, timer, release)
         except _BadRequest as e:
             release()

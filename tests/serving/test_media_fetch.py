@@ -66,6 +66,7 @@ def origin():
                 self.end_headers()
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.handle_error = lambda request, address: None  # the fetcher hangs up on over-limit bodies
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server.server_port, png
     server.shutdown()
