@@ -645,6 +645,8 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
 
     async def handle(request: Request, body: _SamplingFields, chat: bool) -> Response:
         timer = _RequestTimer(metrics)
+        if _has_lone_surrogate(body):  # JSON allows "\ud800"; no tokenizer can encode it
+            return error_response(400, "the request holds invalid Unicode (a lone UTF-16 surrogate)")
         if body.model not in (None, model_name):
             return error_response(404, f"the model {body.model!r} does not exist; this server serves "
                                        f"{model_name!r}", "model", "model_not_found")
@@ -720,6 +722,23 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
     mount_realtime(app, router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
                    default_max_tokens=settings.default_max_tokens, api_key=settings.api_key, metrics=metrics)
     return app
+
+
+def _has_lone_surrogate(obj) -> bool:
+    """True when any string in ``obj`` (a pydantic model, list, dict or str) cannot be UTF-8 encoded."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, BaseModel):
+        return any(_has_lone_surrogate(getattr(obj, f)) for f in type(obj).model_fields)
+    if isinstance(obj, (list, tuple)):
+        return any(_has_lone_surrogate(x) for x in obj)
+    if isinstance(obj, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in obj.items())
+    return False
 
 
 def _byte_level_alphabet(tokenizer) -> dict[str, int] | None:

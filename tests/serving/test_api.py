@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -260,6 +261,11 @@ def test_every_bad_request_gets_400_with_openai_body(server):
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"Content-Type": "application/json"})
     _assert_error(r, 400, "JSON")
+    for path, body in (("/v1/chat/completions", user("a\ud800b")), ("/v1/completions", {"prompt": "\udfff"}),
+                       ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]})):
+        r = httpx.post(server.url + path, content=json.dumps(body), timeout=30,  # JSON escapes a lone surrogate
+                       headers={"Content-Type": "application/json"})
+        _assert_error(r, 400, "Unicode")
     _assert_error(_post(server, {"prompt": [1, 2, 10**6]}, "/v1/completions"), 400, "vocabulary")
     _assert_error(_post(server, {"prompt": ""}, "/v1/completions"), 400, "empty")
     _assert_error(_post(server, {**user("hi"), "model": "gpt-4"}), 404, "does not exist")
