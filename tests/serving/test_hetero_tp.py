@@ -139,10 +139,12 @@ def test_tp_parity(kind, pools, tp, models, expected):
 
 # ---------------------------------------------------------------- transfer counts, leaks, rank death
 def test_staged_transfer_counts_leaks_and_rank_death(models, expected):
-    """p:2 -> d:1 on tiny Llama: parity; one NIXL write per layer per request whatever
-    the block count; staging and KV blocks all free again after requests and aborts;
-    a TP rank dies with its instance's rank 0."""
-    with launch(models["llama"], "p:2,d:1", "--tp", "p:2,d:1", "--block-size", str(BLOCK)) as server:
+    """p:2 -> d:1 on tiny Llama, prompts prefilled in 16-token chunks: parity; one NIXL
+    write per layer per request whatever the block or chunk count; staging and KV
+    blocks all free again after requests and aborts; a TP rank dies with its
+    instance's rank 0."""
+    with launch(models["llama"], "p:2,d:1", "--tp", "p:2,d:1", "--block-size", str(BLOCK),
+                "--max-num-batched-tokens", "16") as server:
         client = server.client()
         before = server.workers()
         _check_parity(server, *expected["llama"])
