@@ -448,6 +448,9 @@ class Router:
                     self._note_retry(e, migrated=bool(flight.tokens))
                     if e.instance:
                         flight.avoid.add(e.instance)
+                    if e.kind == "kv_transfer":  # either end of the link may be at fault: prefer others for both
+                        flight.avoid.update(i for i in self.touched.get(wire, ())
+                                            if (w := self.registry.get(i)) is not None and w.role == "decode")
                     flight.recompute = (e.kind == "kv_transfer" and self.kv_failure_policy == "recompute"
                                         and not req.items)
                 finally:

@@ -128,6 +128,8 @@ class BaseWorker:
         if isinstance(msg, PeerInfo):
             old = self.peers.get(msg.instance_id)
             if old is None or old.nixl_metadata != msg.nixl_metadata:  # new, or restarted under the same id
+                if old is not None:  # NIXL refuses a second agent under one name: drop the dead one first
+                    self.transport.remove_peer(msg.instance_id)
                 self.transport.add_peer(msg.nixl_metadata, msg.regions)
             self.peers[msg.instance_id] = msg
         elif isinstance(msg, Abort):
