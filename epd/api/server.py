@@ -102,10 +102,14 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions``: a text prompt or a list of token ids."""
+    """``POST /v1/completions``: a text prompt, a list of token ids, or a batch of either
+    (choice ``p * n + i`` is the i-th sample of prompt p)."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
 
 
 class ChatRequest(_SamplingFields):
@@ -115,6 +119,8 @@ class ChatRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    response_format: dict | None = None
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -253,6 +259,7 @@ class _Choice:
         self.finish_reason: str | None = None
         self.logprobs: list = []  # TokenLogprob, not yet sent (streaming) / all (non-streaming)
         self.done = False
+        self.counts_prompt = True  # the first choice of its prompt (usage counts each prompt once)
 
     def update(self, ev: TokenEvent) -> None:
         """Apply one router event; sets ``done`` / ``finish_reason`` at the end or at a stop string."""
@@ -410,9 +417,34 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             raise _BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
         return prompt, mm
 
-    async def prepare(body: _SamplingFields, prompt: str | list[int], mm: dict,
-                      chat: bool) -> tuple[str, list[_Choice]]:
+    def unsupported(body: _SamplingFields) -> None:
+        """Fields epd cannot honour get a 400 rather than being silently ignored."""
+        if isinstance(body, CompletionRequest):
+            if body.echo:
+                raise _BadRequest("echo is not supported", "echo")
+            if body.suffix:
+                raise _BadRequest("suffix is not supported", "suffix")
+            if body.best_of is not None and body.best_of != (body.n or 1):
+                raise _BadRequest("best_of other than n is not supported", "best_of")
+        else:
+            if body.tools:
+                raise _BadRequest("tools are not supported by this server", "tools")
+            if body.response_format and body.response_format.get("type", "text") != "text":
+                raise _BadRequest("only response_format {'type': 'text'} is supported", "response_format")
+
+    async def prepare(body: _SamplingFields, prompts: list, mm: dict, chat: bool) -> tuple[str, list[_Choice]]:
+        """One ``_Choice`` per (prompt, sample): index ``p * n + i``."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:20]}{next(ids)}"
+        if len(prompts) * (body.n or 1) > settings.max_n:
+            raise _BadRequest(f"{len(prompts)} prompt(s) x n={body.n or 1} choices; this server allows at most "
+                              f"{settings.max_n} per request", "prompt" if len(prompts) > 1 else "n")
+        choices: list[_Choice] = []
+        for p, prompt in enumerate(prompts):
+            choices += await prepare_one(body, prompt, mm, chat, rid, p)
+        return rid, choices
+
+    async def prepare_one(body: _SamplingFields, prompt: str | list[int], mm: dict, chat: bool, rid: str,
+                          p: int) -> list[_Choice]:
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < vocab_size]
             if bad:
@@ -431,13 +463,16 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             logprobs = body.logprobs
         sp, stop = sampling(body, len(processed.prompt_token_ids), logprobs)
         choices = []
-        for i in range(body.n or 1):
+        n = body.n or 1
+        for i in range(n):
             seed = None if sp.seed is None else (sp.seed + i) % 2**63  # n > 1: distinct, reproducible draws
             wire = msgspec.structs.replace(WireSamplingParams.from_params(sp), seed=seed)
-            req = RouterRequest(f"{rid}-{i}", processed.prompt_token_ids, wire, processed.items,
+            req = RouterRequest(f"{rid}-{p * n + i}", processed.prompt_token_ids, wire, processed.items,
                                 processed.placeholders)
-            choices.append(_Choice(i, req, IncrementalDetokenizer(tokenizer, processed.prompt_token_ids, stop=stop)))
-        return rid, choices
+            choice = _Choice(p * n + i, req, IncrementalDetokenizer(tokenizer, processed.prompt_token_ids, stop=stop))
+            choice.counts_prompt = i == 0
+            choices.append(choice)
+        return choices
 
     byte_level = _byte_level_alphabet(tokenizer)
 
@@ -504,9 +539,11 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def usage_of(choices: list[_Choice]) -> dict:
-        prompt_tokens = len(choices[0].req.prompt_token_ids)
+        firsts = [c for c in choices if c.counts_prompt]  # each prompt counts once, whatever n
+        prompt_tokens = sum(len(c.req.prompt_token_ids) for c in firsts)
         completion = sum(c.num_tokens for c in choices)
-        cached = min(max(c.num_cached_tokens for c in choices), prompt_tokens)
+        cached = sum(min(max(x.num_cached_tokens for x in choices if x.req.prompt_token_ids is c.req.prompt_token_ids),
+                         len(c.req.prompt_token_ids)) for c in firsts)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -667,7 +704,9 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
                 prompt, mm = await render_chat(body, uuid.uuid4().hex[:8])
             else:
                 prompt, mm = body.prompt, {}
-            rid, choices = await prepare(body, prompt, mm, chat)
+            unsupported(body)
+            batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+            rid, choices = await prepare(body, list(prompt) if batch else [prompt], mm, chat)
             return await respond(request, body, rid, choices, chat, timer, release)
         except _BadRequest as e:
             release()

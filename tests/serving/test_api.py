@@ -156,6 +156,14 @@ def test_seed_reproducible_and_n_choices(server, client):
     assert many.usage.completion_tokens == 48 and many.usage.prompt_tokens == a.usage.prompt_tokens
     streamed, reasons, _ = _stream_texts(client.completions.create(seed=7, n=3, stream=True, **kw))
     assert [streamed[i] for i in range(3)] == texts and set(reasons.values()) == {"length"}
+    # A batch of prompts: choice p * n + i is sample i of prompt p; usage counts each prompt once.
+    prompts = ["Once upon a time", "The quick brown fox"]
+    singles = [client.completions.create(model=server.model, prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    batch = client.completions.create(model=server.model, prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [ch.text for ch in sorted(batch.choices, key=lambda ch: ch.index)] == \
+        [singles[0].choices[0].text] * 2 + [singles[1].choices[0].text] * 2
+    assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in singles)
+    assert batch.usage.completion_tokens == 4 * 8
     chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=8, temperature=0.9, seed=3, n=2, user="u-1",
                                           presence_penalty=0.5, frequency_penalty=0.5, extra_body={"top_k": 20})
@@ -255,6 +263,8 @@ def test_every_bad_request_gets_400_with_openai_body(server):
         (img("http://localhost:9/cat.png"), "loopback"),
         (img("file:///etc/passwd"), "data: URL or an http"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "invalid request"),
+        ({**user("hi"), "response_format": {"type": "json_object"}}, "response_format"),
+        ({**user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ]
     for body, match in cases:
         _assert_error(_post(server, body), 400, match)
@@ -268,6 +278,8 @@ def test_every_bad_request_gets_400_with_openai_body(server):
         _assert_error(r, 400, "Unicode")
     _assert_error(_post(server, {"prompt": [1, 2, 10**6]}, "/v1/completions"), 400, "vocabulary")
     _assert_error(_post(server, {"prompt": ""}, "/v1/completions"), 400, "empty")
+    _assert_error(_post(server, {"prompt": "hi", "echo": True}, "/v1/completions"), 400, "echo")
+    _assert_error(_post(server, {"prompt": ["a", "b", "c"], "n": 2}, "/v1/completions"), 400, "at most 4")
     _assert_error(_post(server, {**user("hi"), "model": "gpt-4"}), 404, "does not exist")
     _assert_error(httpx.get(server.url + "/v1/nothing-here"), 404, "Not Found")
     big = _data_url(b"\x89PNG" + os.urandom(1_200_000))
