@@ -123,6 +123,7 @@ def test_spoken_question_then_a_turn_that_sees_it(server, offline):
             return log, d1, d2, q2
 
     log, d1, d2, q2 = asyncio.run(go())
+    assert d1.response.status == "completed", d1.response.status_details
     committed = next(e for e in log if e.type == "input_audio_buffer.committed")
     user_item = next(e for e in log if e.type == "conversation.item.created" and e.item.role == "user")
     assert user_item.item.id == committed.item_id and user_item.item.content[0].type == "input_audio"
