@@ -117,41 +117,62 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-@contextlib.contextmanager
-def serve(model: str | None, pools: str, cores: str, threads: int, log: Path, timeout_s: float = 600.0):
-    """``taskset -c CORES epd launch --pools POOLS --threads-per-worker THREADS`` (output to
-    ``log``) until ``GET /health`` answers 200; yields the base URL; SIGINT (then SIGKILL of
-    the process group) after."""
+def _start(cmd: list[str], url: str, log: Path, timeout_s: float) -> subprocess.Popen:
+    """Start ``cmd`` (output to ``log``); return it once ``GET url/health`` answers 200.
+    Raises RuntimeError (after stopping it) when it exits or times out first."""
     import httpx
 
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
+    t0 = time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < timeout_s:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc
+        time.sleep(1.0)
+    _stop(proc)
+    raise RuntimeError(f"{' '.join(cmd)} did not start; see {log}:\n" + log.read_text()[-3000:])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def serve(model: str | None, pools: str, cores: str, threads: int, log: Path, attempts: int = 3):
+    """``taskset -c CORES epd launch --pools POOLS --threads-per-worker THREADS`` (output to
+    ``log``) until ``GET /health`` answers 200; yields the base URL; SIGINT (then SIGKILL of
+    the process group) after. A start that fails (e.g. a worker killed for memory on this
+    shared machine) is tried again, ``attempts`` times in all."""
     port = _free_port()
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "epd.cli", "launch", "--pools", pools, "--port", str(port),
            "--threads-per-worker", str(threads), "--kv-cache-memory-gb", "1"]
     if model is not None:
         cmd += ["--model", model]
     url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
     t0 = time.monotonic()
+    for attempt in range(1, attempts + 1):
+        try:
+            proc = _start(cmd, url, log, timeout_s=600.0)
+            break
+        except RuntimeError as e:
+            if attempt == attempts:
+                raise
+            print(f"  start {attempt} of {pools} failed ({str(e).strip().splitlines()[-1]}); trying again",
+                  flush=True)
+            time.sleep(10)
+    print(f"  serving {pools} on {url} (ready in {time.monotonic() - t0:.0f} s; log {log})", flush=True)
     try:
-        while True:
-            if proc.poll() is not None or time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(f"epd launch --pools {pools} did not start; see {log}:\n" + log.read_text()[-3000:])
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(1.0)
-        print(f"  serving {pools} on {url} (ready in {time.monotonic() - t0:.0f} s; log {log})", flush=True)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop(proc)
 
 
 def _ms(v: float | None) -> str:
