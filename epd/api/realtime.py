@@ -567,9 +567,19 @@ class RealtimeSession:
             return
         for idx, part in enumerate(item.parts):
             if part.type == "input_audio":
-                part.asr = asyncio.create_task(self._transcribe(item, idx, part))
-                self.asr_tasks.add(part.asr)
-                part.asr.add_done_callback(self._asr_done)
+                self._asr_task(item, idx, part)
+
+    def _asr_task(self, item: _Item, idx: int, part: _Part) -> None:
+        part.asr = asyncio.create_task(self._transcribe(item, idx, part))
+        self.asr_tasks.add(part.asr)
+        part.asr.add_done_callback(self._asr_done)
+
+    def _retry_failed_asr(self, items: list[_Item]) -> None:
+        """A clip whose transcription failed (a pool down, a timeout) is tried again by the next response."""
+        for item in items:
+            for idx, part in enumerate(item.parts):
+                if part.asr is not None and part.asr.done() and (part.asr.cancelled() or part.asr.exception()):
+                    self._asr_task(item, idx, part)
 
     def _asr_done(self, task: asyncio.Task) -> None:
         self.asr_tasks.discard(task)
@@ -630,6 +640,7 @@ class RealtimeSession:
         if not items:
             raise ClientError("nothing to respond to: the conversation is empty (add an item or commit audio "
                               "first)", "response.input" if r.input is not None else None, "conversation_empty")
+        self._retry_failed_asr(items)
         instructions = r.instructions if "instructions" in r.model_fields_set else self.instructions
         resp = _Response(_new_id("resp"), items, instructions, max_tokens, temperature, r.metadata,
                          r.conversation != "none")
