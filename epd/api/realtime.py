@@ -74,6 +74,7 @@ import asyncio
 import base64
 import binascii
 import hmac
+import itertools
 import json
 import logging
 import uuid
@@ -106,6 +107,8 @@ MAX_ITEMS = 1000
 #: text and PCM a session holds (conversation + input buffer); a transcribed clip's PCM is dropped
 MAX_SESSION_BYTES = 64 * 2**20
 DEFAULT_MAX_OUTPUT_TOKENS = 256
+#: how long a transcription waits for an encode pool that is down (503) to come back
+ASR_RETRY_S = 10.0
 # Containers whose bytes a client may send by mistake where raw PCM is expected.
 _CONTAINER_MAGIC = {b"RIFF": "WAV", b"fLaC": "FLAC", b"OggS": "OGG", b"ID3": "MP3"}
 _UNSUPPORTED_EVENTS = {"conversation.item.retrieve", "conversation.item.truncate", "output_audio_buffer.clear",
@@ -587,9 +590,19 @@ class RealtimeSession:
             task.exception()  # reported as a transcription.failed event; a response awaiting it fails
 
     async def _transcribe(self, item: _Item, idx: int, part: _Part) -> str:
+        """The clip's transcript from the E pool. A pool that is down (503: e.g. its
+        worker missed heartbeats on a busy machine) is retried for ``ASR_RETRY_S``."""
         try:
             media = self.api.processor.audio_item((part.pcm, part.rate))
-            (text,) = await self.api.router.transcribe(f"{item.id}-asr{idx}", [media])
+            deadline = asyncio.get_running_loop().time() + ASR_RETRY_S
+            for attempt in itertools.count():
+                try:
+                    (text,) = await self.api.router.transcribe(f"{item.id}-asr{idx}.{attempt}", [media])
+                    break
+                except RequestError as e:
+                    if e.status != 503 or asyncio.get_running_loop().time() > deadline:
+                        raise
+                    await asyncio.sleep(0.25)
         except asyncio.CancelledError:
             raise
         except Exception as e:
