@@ -89,8 +89,18 @@ class BaseWorker:
         self.out.send(encode(msg))
 
     def announce(self, regions: list[Region], kv_layout=None) -> None:
+        """Tell the router this worker is ready, and start heartbeating right away (the
+        router counts a worker silent for 2 s after WorkerReady as dead)."""
         self.send(WorkerReady(self.role, self.instance_id, os.getpid(), self.cmd_endpoint, self.transport.metadata(),
                               regions, kv_layout, time.monotonic() - self.t0))
+        self.load()  # the first load report, which the heartbeat thread repeats until the loop runs
+        self._start_heartbeats()
+
+    def _start_heartbeats(self) -> None:
+        if self._beat_thread is None:
+            self._last_tick = time.monotonic()
+            self._beat_thread = threading.Thread(target=self._beat_loop, name="epd-heartbeat", daemon=True)
+            self._beat_thread.start()
 
     # ---- liveness ---------------------------------------------------------------------
     def _beat_loop(self) -> None:
@@ -200,9 +210,7 @@ class BaseWorker:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
         last_hb = 0.0
-        self._last_tick = time.monotonic()
-        self._beat_thread = threading.Thread(target=self._beat_loop, name="epd-heartbeat", daemon=True)
-        self._beat_thread.start()
+        self._start_heartbeats()
         try:
             while self.running:
                 busy = self.has_work()
