@@ -17,8 +17,8 @@ Each is started with ``epd launch`` (a subprocess, like a user would) and measur
    against a different one each time, a repeated speech clip (Whisper transcript cache)
    and repeated images (encoder cache) against altered ones: TTFT with and without hits.
 
-    python benchmarks/disagg_vs_agg.py            # the full comparison (~20 min on 2 cores)
-    python benchmarks/disagg_vs_agg.py --quick    # smoke run (~5 min): fewer requests and rates
+    python benchmarks/disagg_vs_agg.py            # the full comparison (13-20 min on 2 cores)
+    python benchmarks/disagg_vs_agg.py --quick    # smoke run (~10 min): fewer requests and rates
 
 Writes benchmarks/results/disagg_vs_agg.json (every request of every run), the tables as
 disagg_vs_agg.md, and PNGs (attainment vs rate and latency CDFs per workload).
