@@ -467,7 +467,8 @@ class Router:
         logger.warning("%s after: %s", "migrating a request" if migrated else "retrying a request", e)
         if migrated and role in ("decode", "pd"):
             self._count("migrated_requests", role, inst)
-        self._count("request_retries", role, inst)
+        else:
+            self._count("request_retries", role, inst)
         if e.kind == "kv_transfer":
             self._count("kv_transfer_retries", role, inst)
 
@@ -574,7 +575,11 @@ class Router:
         self._abort_everywhere(request_id)
 
     async def worker_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, float]]:
-        """Each live worker's stats (free blocks, running, held buffers ...), by instance."""
+        """Each live worker's stats (free blocks, running, held buffers ...), by instance.
+
+        A worker busy in a long step (or frozen) answers late: after ``timeout_s``
+        the answers so far are returned, and each silent instance maps to
+        ``{"unresponsive": 1}``."""
         workers = self.registry.alive()
         token = next(self._tokens)
         fut = asyncio.get_running_loop().create_future()
@@ -584,6 +589,12 @@ class Router:
                 w.send(StatsRequest(token))
             if not workers:
                 return {}
-            return await asyncio.wait_for(fut, timeout_s)
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            except asyncio.TimeoutError:
+                acc = dict(self._stats_waiters[token][1])
+                for w in workers:
+                    acc.setdefault(w.instance_id, {"unresponsive": 1})
+                return acc
         finally:
             self._stats_waiters.pop(token, None)

@@ -33,10 +33,8 @@ async def supervise(launcher, router, max_restarts: int, poll_s: float = MONITOR
             for inst in dict.fromkeys(wp.instance_id for wp in dead):
                 procs = [wp for wp in dead if wp.instance_id == inst]
                 wp = procs[0]
-                print(f"epd: worker {wp.describe()} exited; requests on it retry or migrate", file=sys.stderr,
-                      flush=True)
-                router.mark_dead(inst)
-                m.worker_failures.labels(pool=wp.role, instance=inst).inc()
+                print(f"epd: worker {wp.describe()}; its requests retry or migrate", file=sys.stderr, flush=True)
+                router.mark_dead(inst)  # the router counts the failure (epd_worker_failures_total) once
                 if restarts.get(inst, 0) >= max_restarts:
                     print(f"epd: not restarting {inst} (restarted {restarts.get(inst, 0)} times, "
                           f"--max-worker-restarts {max_restarts})", file=sys.stderr, flush=True)
@@ -113,6 +111,10 @@ async def serve(plan, model_dir: Path, args, t0: float, worker_args: list[str]) 
         processor = MultiModalProcessor(str(model_dir), hf_config)
         text_cfg = hf_config.get_text_config()
         max_model_len = args.max_model_len or text_cfg.max_position_embeddings
+        # A worker whose KV cache holds fewer tokens lowers its max_model_len: serve the smallest.
+        lens = [int(st["max_model_len"]) for st in (await router.worker_stats(timeout_s=30.0)).values()
+                if "max_model_len" in st]
+        max_model_len = min([max_model_len, *lens])
         model_name = args.model or "SmolLM2-135M-Instruct"
         app = build_app(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
                         metrics_render=metrics.render_latest, metrics=metrics.get_metrics(),

@@ -99,6 +99,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     ignore_eos: bool | None = False
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -157,7 +158,8 @@ class ApiSettings:
     max_n: largest ``n`` (choices per request).
     allowed_media_domains: hosts whose http(s) media URLs are fetched (empty: none).
     media_fetch_timeout_s / max_media_bytes: limits of one fetch.
-    default_max_tokens: ``max_tokens`` when the request gives none (capped by the context left).
+    default_max_tokens: ``max_tokens`` when the request gives none (capped by the context
+        left); None: the whole context left, as OpenAI and vLLM do.
     """
 
     api_key: str | None = None
@@ -167,7 +169,7 @@ class ApiSettings:
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout_s: float = 10.0
     max_media_bytes: int = 20 * 2**20
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None
 
 
 class _BodyTooLarge(Exception):
@@ -328,7 +330,9 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
             raise _BadRequest(f"the prompt has {prompt_len} tokens but max_model_len is {max_model_len}",
                               "messages" if isinstance(body, ChatRequest) else "prompt")
         if max_tokens is None:
-            max_tokens = min(settings.default_max_tokens, max_model_len - prompt_len)
+            max_tokens = max_model_len - prompt_len
+            if settings.default_max_tokens is not None:
+                max_tokens = min(settings.default_max_tokens, max_tokens)
         elif prompt_len + max_tokens > max_model_len:
             raise _BadRequest(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                               f"({max_model_len})", "max_tokens")
@@ -419,6 +423,10 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
 
     def unsupported(body: _SamplingFields) -> None:
         """Fields epd cannot honour get a 400 rather than being silently ignored."""
+        if body.logit_bias:
+            raise _BadRequest("logit_bias is not supported", "logit_bias")
+        if isinstance(body.stop, list) and len(body.stop) > 4:
+            raise _BadRequest(f"stop takes at most 4 sequences, got {len(body.stop)}", "stop")
         if isinstance(body, CompletionRequest):
             if body.echo:
                 raise _BadRequest("echo is not supported", "echo")
@@ -654,6 +662,7 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
                         timer.finished = True  # failed, not cancelled by the client
                         yield "data: " + json.dumps(error_body(item.status if item.status < 600 else 500,
                                                                str(item))) + "\n\n"
+                        yield "data: [DONE]\n\n"
                         return
                     else:
                         yield item
@@ -758,8 +767,9 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
         return await router.worker_stats()
 
     from epd.api.realtime import mount_realtime  # here: realtime imports this module
+    rt_kw = {} if settings.default_max_tokens is None else {"default_max_tokens": settings.default_max_tokens}
     mount_realtime(app, router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
-                   default_max_tokens=settings.default_max_tokens, api_key=settings.api_key, metrics=metrics)
+                   api_key=settings.api_key, metrics=metrics, **rt_kw)
     return app
 
 

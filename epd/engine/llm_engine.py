@@ -324,6 +324,7 @@ class LLMEngine:
         bm = self.block_manager
         return {
             "num_blocks": bm.num_blocks,
+            "max_model_len": self.config.max_model_len,
             "num_free_blocks": bm.num_free_blocks,
             "kv_cache_usage": bm.usage(),
             "num_running": len(self.scheduler.running),
