@@ -265,6 +265,8 @@ def test_every_bad_request_gets_400_with_openai_body(server):
         ({"messages": [{"role": "tool", "content": "x"}]}, "invalid request"),
         ({**user("hi"), "response_format": {"type": "json_object"}}, "response_format"),
         ({**user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({**user("hi"), "logit_bias": {"42": 5}}, "logit_bias"),
+        ({**user("hi"), "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
     ]
     for body, match in cases:
         _assert_error(_post(server, body), 400, match)

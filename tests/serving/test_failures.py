@@ -237,6 +237,9 @@ def test_hung_prefill_is_retried_and_fenced(llama_dir):
                 got = list(pool.map(lambda p: _complete(server, p, 24, False), prompts))
             assert got == expected
             assert _metric(server, "epd_request_retries_total", pool="prefill", instance="prefill-0") >= 1
+            stats = server.workers()  # still answers while a worker is frozen
+            assert "num_free_blocks" in stats["prefill-1"] and "num_free_blocks" in stats["decode-0"]
+            assert "num_free_blocks" not in stats.get("prefill-0", {})
         finally:
             victim.send_signal(signal.SIGCONT)
         _wait_healthy(server)
