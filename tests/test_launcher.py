@@ -317,6 +317,10 @@ def test_metrics_summed_over_processes(tmp_path, monkeypatch):
     from epd import metrics
 
     monkeypatch.setenv(metrics.ENV, "unset-after-test")  # restores the environment afterwards
+    # Earlier in-process tests (a Router counting routing decisions) may have created this
+    # process's metric objects; start this one as a fresh launcher would, and put them back after.
+    for name in ("_metrics", "_metrics_dir", "_registry"):
+        monkeypatch.setattr(metrics, name, None)
     d = tmp_path / "prom"
     d.mkdir()
     (d / "counter_999999.db").write_bytes(b"stale")  # a previous run's file is cleared
