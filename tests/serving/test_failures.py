@@ -29,7 +29,7 @@ from tests.serving.conftest import Server, launch
 
 pytestmark = pytest.mark.slow
 
-LONG = 160  # tokens per streamed answer: long enough to kill a worker mid-stream
+LONG = 320  # tokens per streamed answer: long enough to kill a worker mid-stream, even on an idle machine
 
 
 @pytest.fixture(scope="module")
