@@ -8,6 +8,9 @@ import os
 import sys
 import time
 
+from epd.launch_config import KV_FAILURE_POLICIES, ROUTING_POLICIES, WORKER_ENGINE_FLAGS, LaunchConfig
+from epd.roles import ROLE_NAMES, Role
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
@@ -74,12 +77,6 @@ def _non_negative_float(text: str) -> float:
     return x
 
 
-# Routing policies per pool (epd.router.policies.POLICIES, kept here so `epd --help` need not import torch).
-ROUTING_POLICIES = {"encode": ("media-affinity", "least-loaded", "round-robin"),
-                    "prefill": ("kv", "least-loaded", "round-robin"),
-                    "decode": ("free-kv", "least-loaded", "round-robin")}
-
-
 def _positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -90,22 +87,6 @@ def _positive_int(text: str) -> int:
     return n
 
 
-# Engine settings a worker takes; `epd launch` forwards the ones given to every worker.
-_WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
-                        ("--kv-cache-memory-gb", float), ("--num-kv-blocks", int), ("--max-model-len", int))
-
-
-def _forwarded_worker_args(args: argparse.Namespace) -> list[str]:
-    out = []
-    for flag, _ in _WORKER_ENGINE_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            out += [flag, str(value)]
-    if getattr(args, "kv_timeout", None) is not None:
-        out += ["--kv-timeout", str(args.kv_timeout)]
-    return out
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     import logging
 
@@ -114,10 +95,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.instance_id} %(levelname)s %(message)s")
     engine_kwargs = {k: getattr(args, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens",
                                                    "kv_cache_memory_gb", "num_kv_blocks", "max_model_len")}
-    run_worker(WorkerArgs(role=args.role, instance_id=args.instance_id, router=args.router, model=args.model,
+    role = Role(args.role)
+    run_worker(WorkerArgs(role=role, instance_id=args.instance_id, router=args.router, model=args.model,
                           rank=args.rank, tp=args.tp, threads=args.threads, kv_timeout_s=args.kv_timeout,
                           kv_staging_mb=args.kv_staging_mb,
-                          engine_kwargs=engine_kwargs if args.role != "encode" else {}))
+                          engine_kwargs=engine_kwargs if role != Role.ENCODE else {}))
     return 0
 
 
@@ -126,26 +108,25 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from transformers import AutoConfig
 
-    from epd.launch_spec import LaunchSpecError, build_launch_plan, parse_pools, parse_tp
+    from epd.launch_spec import build_launch_plan
     from epd.launcher import check_port_free
     from epd.model_files import resolve_model
 
     t0 = time.monotonic()
-    pools = parse_pools(args.pools)
-    parse_tp(args.tp, pools)
-    args.http_socket = check_port_free(args.host, args.port, keep=True)  # held until uvicorn serves on it
-    path = resolve_model(args.model)
+    config = LaunchConfig.from_args(args)  # validates --pools and --tp
+    http_socket = check_port_free(config.host, config.port, keep=True)  # held until uvicorn serves on it
+    path = resolve_model(config.model)
     text_cfg = AutoConfig.from_pretrained(str(path)).get_text_config()
-    plan = build_launch_plan(args.pools, args.tp, num_attention_heads=text_cfg.num_attention_heads,
+    plan = build_launch_plan(config.pools, config.tp, num_attention_heads=text_cfg.num_attention_heads,
                              num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)
-    worker_args = _forwarded_worker_args(args)
+    worker_args = config.forwarded_worker_args()
     tp = {p.role: p.tp for p in plan}
-    if "prefill" in tp and (tp["prefill"], tp["decode"]) != (1, 1):
+    if Role.PREFILL in tp and (tp[Role.PREFILL], tp[Role.DECODE]) != (1, 1):
         # KV moves through staging buffers whenever a side is tensor-parallel.
-        worker_args += ["--kv-staging-mb", str(args.kv_staging_mb)]
+        worker_args += ["--kv-staging-mb", str(config.kv_staging_mb)]
     from epd.api.serve import serve
 
-    return asyncio.run(serve(plan, path, args, t0, worker_args))
+    return asyncio.run(serve(plan, path, config, t0, worker_args, http_socket=http_socket))
 
 
 def cmd_create_tiny(args: argparse.Namespace) -> int:
@@ -163,10 +144,7 @@ def cmd_create_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epd", description="Disaggregated Encode/Prefill/Decode LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text offline for one prompt")
     _add_engine_args(g)
     g.add_argument("--prompt", required=True)
@@ -183,81 +161,97 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
 
+
+def _add_launch_parser(sub) -> None:
+    """``epd launch``; every default comes from :class:`~epd.launch_config.LaunchConfig`."""
+    d = LaunchConfig()
     la = sub.add_parser("launch", help="serve a model over HTTP with encode/prefill/decode worker pools")
-    la.add_argument("--pools", default="e:1,p:1,d:1",
+    la.add_argument("--pools", default=d.pools,
                     help="devices (on CPU: processes) per pool: e=encode, p=prefill, d=decode, pd=aggregated "
                          "prefill+decode; e.g. e:2,p:4,d:8 or e:1,pd:2; e:0 runs without an encode pool "
                          "(default: %(default)s)")
-    la.add_argument("--tp", default=None,
+    la.add_argument("--tp", default=d.tp,
                     help="tensor-parallel ranks per instance of the p/d/pd pools, e.g. p:4,d:1 (default: 1; "
                          "must divide the pool's devices and the model's heads; encoders have no TP)")
-    la.add_argument("--model", default=None,
+    la.add_argument("--model", default=d.model,
                     help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
-    la.add_argument("--host", default="127.0.0.1", help="HTTP address (default: %(default)s)")
-    la.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
-    la.add_argument("--threads-per-worker", type=_positive_int, default=None,
+    la.add_argument("--host", default=d.host, help="HTTP address (default: %(default)s)")
+    la.add_argument("--port", type=int, default=d.port, help="HTTP port (default: %(default)s)")
+    la.add_argument("--threads-per-worker", type=_positive_int, default=d.threads_per_worker,
                     help="torch threads per worker process (default: usable cores / processes, at least 1)")
-    la.add_argument("--router-port", type=int, default=0,
+    la.add_argument("--router-port", type=int, default=d.router_port,
                     help="router's ZeroMQ port on 127.0.0.1 (default 0: pick a free one)")
-    la.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for every worker")
-    for flag, typ in _WORKER_ENGINE_FLAGS:
-        la.add_argument(flag, type=typ, default=None, help="forwarded to every worker (default: the worker's)")
-    rt = la.add_argument_group("routing")
-    rt.add_argument("--encode-routing", choices=ROUTING_POLICIES["encode"], default=ROUTING_POLICIES["encode"][0],
-                    help="encode pool: media-affinity sends a repeated image/clip to the encoder that cached it "
-                         "(rendezvous hashing on the item hash; least-loaded when that one is overloaded) "
-                         "(default: %(default)s)")
-    rt.add_argument("--prefill-routing", choices=ROUTING_POLICIES["prefill"], default=ROUTING_POLICIES["prefill"][0],
-                    help="prefill and pd pools: kv picks the lowest overlap-weight x blocks still to prefill + open "
-                         "blocks, from the block hashes each instance's prefix cache reports (default: %(default)s)")
-    rt.add_argument("--decode-routing", choices=ROUTING_POLICIES["decode"], default=ROUTING_POLICIES["decode"][0],
-                    help="decode pool: free-kv picks the most free KV blocks after reservations, then the smallest "
-                         "running batch (default: %(default)s)")
-    rt.add_argument("--kv-overlap-weight", type=_non_negative_float, default=1.0,
-                    help="weight of the blocks still to prefill against the open blocks in the kv policy's cost "
-                         "(default: %(default)s; 0 ignores cached prefixes)")
-    fr = la.add_argument_group("failure recovery")
-    fr.add_argument("--max-retries", type=int, default=2,
-                    help="further attempts of a request on other instances after a worker dies, hangs or fails a "
-                         "transfer; a decode worker lost mid-stream migrates its requests (default: %(default)s; "
-                         "0 disables)")
-    fr.add_argument("--kv-failure-policy", choices=["retry", "recompute"], default="retry",
-                    help="a failed or timed-out P->D KV transfer is retried through prefill (retry) or the decode "
-                         "worker prefills the prompt itself (recompute) (default: %(default)s)")
-    fr.add_argument("--stage-timeout", type=float, default=120.0,
-                    help="seconds a request may wait for one stage (encode, KV reservation, prefill) "
-                         "(default: %(default)s)")
-    fr.add_argument("--token-timeout", type=float, default=120.0,
-                    help="seconds a request may wait between two tokens (default: %(default)s)")
-    fr.add_argument("--kv-timeout", type=float, default=None,
-                    help="seconds a worker waits for one NIXL transfer before failing it (default: the worker's, 30)")
-    fr.add_argument("--max-worker-restarts", type=int, default=5,
-                    help="times the launcher restarts each crashed worker instance (default: %(default)s; "
-                         "0: never)")
-    api = la.add_argument_group("OpenAI API")
-    api.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EPD_API_KEY, else none)")
-    api.add_argument("--max-body-mb", type=float, default=64.0,
-                     help="largest request body in MiB; larger ones get 413 (default: %(default)s)")
-    api.add_argument("--max-pending-requests", type=_positive_int, default=256,
-                     help="requests in flight at once; more get 429 (default: %(default)s)")
-    api.add_argument("--max-n", type=_positive_int, default=8,
-                     help="largest n (choices per request) (default: %(default)s)")
-    api.add_argument("--allowed-media-domains", default="",
-                     help="comma-separated hosts whose http(s) image URLs are fetched (subdomains included); "
-                          "addresses that resolve to private, loopback or link-local ranges are refused anyway "
-                          "(default: none, only data: URLs)")
-    api.add_argument("--media-fetch-timeout", type=float, default=10.0,
-                     help="seconds one media URL fetch may take, redirects included (default: %(default)s)")
-    api.add_argument("--max-media-mb", type=float, default=20.0,
-                     help="largest fetched media body in MiB (default: %(default)s)")
-    la.add_argument("--kv-staging-mb", type=_positive_int, default=256,
+    la.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for every worker")
+    for flag, typ in WORKER_ENGINE_FLAGS:
+        la.add_argument(flag, type=typ, default=getattr(d, flag[2:].replace("-", "_")),
+                        help="forwarded to every worker (default: the worker's)")
+    _add_routing_args(la.add_argument_group("routing"), d)
+    _add_recovery_args(la.add_argument_group("failure recovery"), d)
+    _add_api_args(la.add_argument_group("OpenAI API"), d)
+    la.add_argument("--kv-staging-mb", type=_positive_int, default=d.kv_staging_mb,
                     help="staging pool per prefill/decode instance (MiB) for KV transfers when prefill or "
                          "decode is tensor-parallel (default: %(default)s)")
     la.set_defaults(func=cmd_launch)
 
+
+def _add_routing_args(rt, d: LaunchConfig) -> None:
+    rt.add_argument("--encode-routing", choices=ROUTING_POLICIES[Role.ENCODE], default=d.encode_routing,
+                    help="encode pool: media-affinity sends a repeated image/clip to the encoder that cached it "
+                         "(rendezvous hashing on the item hash; least-loaded when that one is overloaded) "
+                         "(default: %(default)s)")
+    rt.add_argument("--prefill-routing", choices=ROUTING_POLICIES[Role.PREFILL], default=d.prefill_routing,
+                    help="prefill and pd pools: kv picks the lowest overlap-weight x blocks still to prefill + open "
+                         "blocks, from the block hashes each instance's prefix cache reports (default: %(default)s)")
+    rt.add_argument("--decode-routing", choices=ROUTING_POLICIES[Role.DECODE], default=d.decode_routing,
+                    help="decode pool: free-kv picks the most free KV blocks after reservations, then the smallest "
+                         "running batch (default: %(default)s)")
+    rt.add_argument("--kv-overlap-weight", type=_non_negative_float, default=d.kv_overlap_weight,
+                    help="weight of the blocks still to prefill against the open blocks in the kv policy's cost "
+                         "(default: %(default)s; 0 ignores cached prefixes)")
+
+
+def _add_recovery_args(fr, d: LaunchConfig) -> None:
+    fr.add_argument("--max-retries", type=int, default=d.max_retries,
+                    help="further attempts of a request on other instances after a worker dies, hangs or fails a "
+                         "transfer; a decode worker lost mid-stream migrates its requests (default: %(default)s; "
+                         "0 disables)")
+    fr.add_argument("--kv-failure-policy", choices=list(KV_FAILURE_POLICIES), default=d.kv_failure_policy,
+                    help="a failed or timed-out P->D KV transfer is retried through prefill (retry) or the decode "
+                         "worker prefills the prompt itself (recompute) (default: %(default)s)")
+    fr.add_argument("--stage-timeout", type=float, default=d.stage_timeout,
+                    help="seconds a request may wait for one stage (encode, KV reservation, prefill) "
+                         "(default: %(default)s)")
+    fr.add_argument("--token-timeout", type=float, default=d.token_timeout,
+                    help="seconds a request may wait between two tokens (default: %(default)s)")
+    fr.add_argument("--kv-timeout", type=float, default=d.kv_timeout,
+                    help="seconds a worker waits for one NIXL transfer before failing it (default: the worker's, 30)")
+    fr.add_argument("--max-worker-restarts", type=int, default=d.max_worker_restarts,
+                    help="times the launcher restarts each crashed worker instance (default: %(default)s; "
+                         "0: never)")
+
+
+def _add_api_args(api, d: LaunchConfig) -> None:
+    api.add_argument("--api-key", default=d.api_key,
+                     help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EPD_API_KEY, else none)")
+    api.add_argument("--max-body-mb", type=float, default=d.max_body_mb,
+                     help="largest request body in MiB; larger ones get 413 (default: %(default)s)")
+    api.add_argument("--max-pending-requests", type=_positive_int, default=d.max_pending_requests,
+                     help="requests in flight at once; more get 429 (default: %(default)s)")
+    api.add_argument("--max-n", type=_positive_int, default=d.max_n,
+                     help="largest n (choices per request) (default: %(default)s)")
+    api.add_argument("--allowed-media-domains", default=d.allowed_media_domains,
+                     help="comma-separated hosts whose http(s) image URLs are fetched (subdomains included); "
+                          "addresses that resolve to private, loopback or link-local ranges are refused anyway "
+                          "(default: none, only data: URLs)")
+    api.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout,
+                     help="seconds one media URL fetch may take, redirects included (default: %(default)s)")
+    api.add_argument("--max-media-mb", type=float, default=d.max_media_mb,
+                     help="largest fetched media body in MiB (default: %(default)s)")
+
+
+def _add_worker_parser(sub) -> None:
     w = sub.add_parser("worker", help="one worker process (started by `epd launch`, not by hand)")
-    w.add_argument("--role", required=True, choices=["encode", "prefill", "decode", "pd"])
+    w.add_argument("--role", required=True, choices=list(ROLE_NAMES))
     w.add_argument("--instance-id", required=True, help="e.g. prefill-0; the TP ranks of an instance share it")
     w.add_argument("--rank", type=int, default=0, help="TP rank inside the instance, 0..tp-1")
     w.add_argument("--tp", type=_positive_int, default=1, help="TP ranks of the instance")
@@ -278,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="staging pool (MiB) for KV transfers between different TP layouts (0: none)")
     w.set_defaults(func=cmd_worker)
 
+
+def _add_model_parser(sub) -> None:
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
     ct = msub.add_parser("create-tiny", help="write a tiny random checkpoint for tests and benchmarks")
@@ -287,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--force", action="store_true", help="write into a non-empty directory")
     ct.set_defaults(func=cmd_create_tiny)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd", description="Disaggregated Encode/Prefill/Decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    _add_launch_parser(sub)
+    _add_worker_parser(sub)
+    _add_model_parser(sub)
     from epd.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)  # `epd bench`: the serving benchmark (epd/bench/)

@@ -21,16 +21,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from epd.roles import Role
+
 __all__ = ["LaunchSpecError", "PoolSpec", "ROLES", "parse_pools", "parse_tp", "build_launch_plan"]
 
-#: canonical role names, in launch order
-ROLES = ("encode", "prefill", "decode", "pd")
-ROLE_SHORT = {"encode": "e", "prefill": "p", "decode": "d", "pd": "pd"}
+#: canonical roles, in launch order
+ROLES = tuple(Role)
+ROLE_SHORT = {Role.ENCODE: "e", Role.PREFILL: "p", Role.DECODE: "d", Role.PD: "pd"}
 _ALIASES = {
-    "e": "encode", "enc": "encode", "encode": "encode", "encoder": "encode",
-    "p": "prefill", "prefill": "prefill",
-    "d": "decode", "decode": "decode",
-    "pd": "pd", "aggregated": "pd",
+    "e": Role.ENCODE, "enc": Role.ENCODE, "encode": Role.ENCODE, "encoder": Role.ENCODE,
+    "p": Role.PREFILL, "prefill": Role.PREFILL,
+    "d": Role.DECODE, "decode": Role.DECODE,
+    "pd": Role.PD, "aggregated": Role.PD,
 }
 _POOLS_EXAMPLE = "--pools e:2,p:4,d:8 (disaggregated) or --pools e:1,pd:2 (aggregated prefill+decode)"
 _TP_EXAMPLE = "--tp p:4,d:1"
@@ -46,12 +48,12 @@ class PoolSpec:
     """One pool of the launch plan.
 
     Attributes:
-        role: "encode", "prefill", "decode" or "pd" (aggregated prefill+decode).
+        role: the pool's :class:`~epd.roles.Role`: encode, prefill, decode or pd (aggregated prefill+decode).
         devices: devices (processes on CPU) in the pool; one process per device.
         tp: tensor-parallel ranks per instance (always 1 for encode).
     """
 
-    role: str
+    role: Role
     devices: int
     tp: int = 1
 
@@ -80,7 +82,7 @@ def _split_items(text: str, flag: str, example: str) -> list[tuple[str, str, str
     return items
 
 
-def _role(key: str, item: str, flag: str, example: str) -> str:
+def _role(key: str, item: str, flag: str, example: str) -> Role:
     role = _ALIASES.get(key)
     if role is None:
         raise LaunchSpecError(
@@ -95,7 +97,7 @@ def _count(value: str, item: str, flag: str, example: str) -> int:
     return int(value)
 
 
-def parse_pools(text: str) -> dict[str, int]:
+def parse_pools(text: str) -> dict[Role, int]:
     """Parse ``--pools``: role -> device count, in launch order (encode, prefill, decode, pd).
 
     Roles are ``e``/``encode``, ``p``/``prefill``, ``d``/``decode``, ``pd``. Counts are
@@ -109,24 +111,24 @@ def parse_pools(text: str) -> dict[str, int]:
     if text is None or not str(text).strip():
         raise LaunchSpecError(f"--pools is empty; give device counts per pool, e.g. {_POOLS_EXAMPLE}")
     text = str(text).strip()
-    counts: dict[str, int] = {}
+    counts: dict[Role, int] = {}
     for item, key, value in _split_items(text, "--pools", _POOLS_EXAMPLE):
         role = _role(key, item, "--pools", _POOLS_EXAMPLE)
         if role in counts:
             raise LaunchSpecError(f"--pools {text!r} names the {role} pool twice; "
                                   f"give each pool once, e.g. {_POOLS_EXAMPLE}")
         n = _count(value, item, "--pools", _POOLS_EXAMPLE)
-        if n < 1 and role != "encode":
+        if n < 1 and role != Role.ENCODE:
             raise LaunchSpecError(f"--pools entry {item!r}: a {role} pool needs at least 1 device "
                                   f"(only the encode pool may be 0 to disable it); e.g. {_POOLS_EXAMPLE}")
         counts[role] = n
-    has_pd = "pd" in counts
-    if has_pd and ("prefill" in counts or "decode" in counts):
+    has_pd = Role.PD in counts
+    if has_pd and (Role.PREFILL in counts or Role.DECODE in counts):
         raise LaunchSpecError(
             f"--pools {text!r} mixes an aggregated pd pool with separate p/d pools; use either "
             f"p and d (disaggregated, e.g. --pools e:1,p:1,d:1) or pd alone (aggregated, e.g. --pools e:1,pd:2)")
     if not has_pd:
-        missing = [ROLE_SHORT[r] for r in ("prefill", "decode") if r not in counts]
+        missing = [ROLE_SHORT[r] for r in (Role.PREFILL, Role.DECODE) if r not in counts]
         if missing:
             raise LaunchSpecError(
                 f"--pools {text!r} has no {' and no '.join(missing)} pool; a disaggregated setup needs "
@@ -134,7 +136,7 @@ def parse_pools(text: str) -> dict[str, int]:
     return {r: counts[r] for r in ROLES if counts.get(r)}
 
 
-def parse_tp(text: str | None, pools: dict[str, int]) -> dict[str, int]:
+def parse_tp(text: str | None, pools: dict[Role, int]) -> dict[Role, int]:
     """Parse ``--tp`` against the parsed pools: role -> TP size for every pool (default 1).
 
     Only prefill, decode and pd pools take a TP size; it must be >= 1 and divide the
@@ -150,10 +152,10 @@ def parse_tp(text: str | None, pools: dict[str, int]) -> dict[str, int]:
         return tp
     text = str(text).strip()
     pools_text = ",".join(f"{ROLE_SHORT[r]}:{n}" for r, n in pools.items())
-    seen: set[str] = set()
+    seen: set[Role] = set()
     for item, key, value in _split_items(text, "--tp", _TP_EXAMPLE):
         role = _role(key, item, "--tp", _TP_EXAMPLE)
-        if role == "encode":
+        if role == Role.ENCODE:
             raise LaunchSpecError(
                 f"--tp entry {item!r}: the encode pool has no tensor parallelism (every encode device "
                 f"is its own instance; scale encoders with --pools e:N); give TP for p, d or pd only, "
@@ -197,7 +199,7 @@ def build_launch_plan(pools_text: str, tp_text: str | None, *, num_attention_hea
     tp = parse_tp(tp_text, pools)
     kv = num_kv_heads or num_attention_heads
     for role, n in tp.items():
-        if role == "encode" or n == 1:
+        if role == Role.ENCODE or n == 1:
             continue
         if num_attention_heads % n or kv % n:
             valid = [k for k in range(1, min(num_attention_heads, kv) + 1)
@@ -207,5 +209,5 @@ def build_launch_plan(pools_text: str, tp_text: str | None, *, num_attention_hea
                 f"heads and {kv} KV heads (heads are sharded over TP ranks); TP sizes this model "
                 f"allows: {', '.join(map(str, valid))}"
                 + ("; prefill and decode TP may differ (KV is restaged between them), but each must split "
-                   "the KV heads" if "prefill" in tp and "decode" in tp else ""))
+                   "the KV heads" if Role.PREFILL in tp and Role.DECODE in tp else ""))
     return [PoolSpec(role, devices, tp[role]) for role, devices in pools.items()]

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epd.launch_spec import LaunchSpecError, PoolSpec
+from epd.roles import Role
 
 __all__ = ["WorkerProcess", "Launcher", "default_threads_per_worker", "check_port_free", "find_free_port",
            "worker_argv"]
@@ -53,7 +54,7 @@ class WorkerProcess:
     """One worker process (one TP rank of one instance).
 
     Attributes:
-        role: "encode", "prefill", "decode" or "pd".
+        role: the instance's pool (:class:`~epd.roles.Role`).
         instance_id: e.g. "prefill-0"; the ``tp`` ranks of an instance share it.
         rank: TP rank inside the instance, 0..tp-1.
         popen: the running process.
@@ -63,7 +64,7 @@ class WorkerProcess:
         returncode: exit status once reaped (negative: killed by that signal).
     """
 
-    role: str
+    role: Role
     instance_id: str
     rank: int
     popen: subprocess.Popen
@@ -94,7 +95,7 @@ class WorkerProcess:
 
 @dataclass(frozen=True)
 class _Slot:
-    role: str
+    role: Role
     instance_id: str
     rank: int
     tp: int
@@ -117,10 +118,10 @@ def default_threads_per_worker(num_processes: int) -> int:
     return max(1, cores // max(1, num_processes))
 
 
-def worker_argv(role: str, instance_id: str, rank: int, tp: int, *, router_endpoint: str, model: str | None,
+def worker_argv(role: Role | str, instance_id: str, rank: int, tp: int, *, router_endpoint: str, model: str | None,
                 threads: int, extra: Sequence[str] = ()) -> list[str]:
     """The command line of one worker process (``python -m epd.cli worker ...``)."""
-    argv = [sys.executable, "-m", "epd.cli", "worker", "--role", role, "--instance-id", instance_id,
+    argv = [sys.executable, "-m", "epd.cli", "worker", "--role", str(role), "--instance-id", instance_id,
             "--rank", str(rank), "--tp", str(tp), "--router", router_endpoint]
     if model:
         argv += ["--model", str(model)]
@@ -250,7 +251,7 @@ class Launcher:
     def _layout(plan: list[PoolSpec]) -> list[_Slot]:
         slots, dev = [], 0
         for pool in plan:
-            tp = 1 if pool.role == "encode" else pool.tp
+            tp = 1 if pool.role == Role.ENCODE else pool.tp
             if pool.devices % tp:
                 raise LaunchSpecError(f"TP {tp} does not divide the {pool.devices} devices of the {pool.role} pool")
             for i in range(pool.devices // tp):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
+
+from epd.launch_config import LaunchConfig
+from epd.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -51,47 +55,47 @@ async def supervise(launcher, router, max_restarts: int, poll_s: float = MONITOR
             logger.exception("worker supervision")
 
 
-def api_settings(args):
+def api_settings(config: LaunchConfig):
     """``ApiSettings`` from ``epd launch``'s API flags; the key falls back to ``$EPD_API_KEY``."""
     import os
 
     from epd.api.server import ApiSettings
 
-    domains = [d for d in (getattr(args, "allowed_media_domains", None) or "").split(",") if d.strip()]
-    return ApiSettings(api_key=getattr(args, "api_key", None) or os.environ.get("EPD_API_KEY") or None,
-                       max_body_bytes=int(getattr(args, "max_body_mb", 64) * 2**20),
-                       max_pending_requests=getattr(args, "max_pending_requests", 256),
-                       max_n=getattr(args, "max_n", 8), allowed_media_domains=tuple(domains),
-                       media_fetch_timeout_s=getattr(args, "media_fetch_timeout", 10.0),
-                       max_media_bytes=int(getattr(args, "max_media_mb", 20) * 2**20))
+    domains = [d for d in config.allowed_media_domains.split(",") if d.strip()]
+    return ApiSettings(api_key=config.api_key or os.environ.get("EPD_API_KEY") or None,
+                       max_body_bytes=int(config.max_body_mb * 2**20),
+                       max_pending_requests=config.max_pending_requests,
+                       max_n=config.max_n, allowed_media_domains=tuple(domains),
+                       media_fetch_timeout_s=config.media_fetch_timeout,
+                       max_media_bytes=int(config.max_media_mb * 2**20))
 
 
-async def serve(plan, model_dir: Path, args, t0: float, worker_args: list[str]) -> int:
+async def serve(plan, model_dir: Path, config: LaunchConfig, t0: float, worker_args: list[str],
+                http_socket: socket.socket | None = None) -> int:
     """Start the router, spawn the workers, wait until all are ready, serve HTTP until stopped.
 
+    ``http_socket``: ``config.host:config.port`` already bound (not listening), as
+    :func:`epd.launcher.check_port_free` keeps it; None binds the port when serving.
     Returns the process exit code. Every child is stopped on the way out.
     """
     import uvicorn
     from transformers import AutoConfig, AutoTokenizer
 
     from epd import metrics
-    from epd.api.server import build_app
+    from epd.api.app import build_app
     from epd.encoders.processor import MultiModalProcessor
     from epd.launcher import Launcher, default_threads_per_worker
     from epd.router.router import Router
 
     metrics.setup_multiprocess_dir()
-    router = Router(port=args.router_port, stage_timeout_s=getattr(args, "stage_timeout", 120.0),
-                    token_timeout_s=getattr(args, "token_timeout", 120.0),
-                    max_retries=getattr(args, "max_retries", 2),
-                    kv_failure_policy=getattr(args, "kv_failure_policy", "retry"),
-                    encode_routing=getattr(args, "encode_routing", None),
-                    prefill_routing=getattr(args, "prefill_routing", None),
-                    decode_routing=getattr(args, "decode_routing", None),
-                    kv_overlap_weight=getattr(args, "kv_overlap_weight", 1.0))
+    router = Router(port=config.router_port, stage_timeout_s=config.stage_timeout,
+                    token_timeout_s=config.token_timeout, max_retries=config.max_retries,
+                    kv_failure_policy=config.kv_failure_policy, encode_routing=config.encode_routing,
+                    prefill_routing=config.prefill_routing, decode_routing=config.decode_routing,
+                    kv_overlap_weight=config.kv_overlap_weight)
     await router.start()
     num_procs = sum(p.devices for p in plan)
-    threads = args.threads_per_worker or default_threads_per_worker(num_procs)
+    threads = config.threads_per_worker or default_threads_per_worker(num_procs)
     launcher = Launcher(plan, model=str(model_dir), router_endpoint=router.endpoint, threads_per_worker=threads,
                         extra_worker_args=worker_args, rank0_spawns_ranks=True)
     try:
@@ -102,33 +106,33 @@ async def serve(plan, model_dir: Path, args, t0: float, worker_args: list[str]) 
             if dead:
                 raise RuntimeError("worker died during start-up: " + "; ".join(d.describe() for d in dead))
 
-        expected: dict[str, int] = {}
+        expected: dict[Role, int] = {}
         for p in plan:
             expected[p.role] = expected.get(p.role, 0) + p.instances
-        await router.wait_ready(expected, args.ready_timeout, on_poll=check_children)
+        await router.wait_ready(expected, config.ready_timeout, on_poll=check_children)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         processor = MultiModalProcessor(str(model_dir), hf_config)
         text_cfg = hf_config.get_text_config()
-        max_model_len = args.max_model_len or text_cfg.max_position_embeddings
+        max_model_len = config.max_model_len or text_cfg.max_position_embeddings
         # A worker whose KV cache holds fewer tokens lowers its max_model_len: serve the smallest.
         lens = [int(st["max_model_len"]) for st in (await router.worker_stats(timeout_s=30.0)).values()
                 if "max_model_len" in st]
         max_model_len = min([max_model_len, *lens])
-        model_name = args.model or "SmolLM2-135M-Instruct"
+        model_name = config.model or "SmolLM2-135M-Instruct"
         app = build_app(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
                         metrics_render=metrics.render_latest, metrics=metrics.get_metrics(),
-                        settings=api_settings(args), vocab_size=text_cfg.vocab_size)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
-        server = uvicorn.Server(config)
+                        settings=api_settings(config), vocab_size=text_cfg.vocab_size)
+        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="off")
+        server = uvicorn.Server(uv_config)
         pools = ",".join(f"{p.role}:{p.devices}" for p in plan)
-        sock = getattr(args, "http_socket", None)
+        sock = http_socket
         if sock is not None:
-            sock.listen(config.backlog)  # connections made after the line below queue until uvicorn accepts
-        port = sock.getsockname()[1] if sock is not None else args.port
-        print(f"epd: serving {model_name} on http://{args.host}:{port} (pools {pools}; "
+            sock.listen(uv_config.backlog)  # connections made after the line below queue until uvicorn accepts
+        port = sock.getsockname()[1] if sock is not None else config.port
+        print(f"epd: serving {model_name} on http://{config.host}:{port} (pools {pools}; "
               f"ready in {time.monotonic() - t0:.1f} s)", flush=True)
-        supervisor = asyncio.create_task(supervise(launcher, router, getattr(args, "max_worker_restarts", 5)))
+        supervisor = asyncio.create_task(supervise(launcher, router, config.max_worker_restarts))
         try:
             await server.serve(sockets=[sock] if sock is not None else None)
         finally:

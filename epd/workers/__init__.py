@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+from epd.roles import Role
 from epd.workers.base import WorkerArgs
 
-ROLES = ("encode", "prefill", "decode", "pd")
+ROLES = tuple(Role)
 
 
 def run_worker(args: WorkerArgs) -> None:
     """Build the worker for ``args.role`` and run its loop until shutdown."""
-    if args.role == "encode":
+    if args.role == Role.ENCODE:
         from epd.workers.encode_worker import EncodeWorker as cls
-    elif args.role == "prefill":
+    elif args.role == Role.PREFILL:
         from epd.workers.prefill_worker import PrefillWorker as cls
-    elif args.role == "decode":
+    elif args.role == Role.DECODE:
         from epd.workers.decode_worker import DecodeWorker as cls
-    elif args.role == "pd":
+    elif args.role == Role.PD:
         from epd.workers.aggregated_worker import AggregatedWorker as cls
     else:
         raise ValueError(f"unknown worker role {args.role!r}; expected one of {ROLES}")

@@ -21,6 +21,7 @@ import zmq
 
 from epd.messages import (Abort, Heartbeat, Message, MessageError, PeerInfo, Region, RequestFailed, Shutdown,
                           StatsRequest, WorkerReady, WorkerStats, decode, encode)
+from epd.roles import Role
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ FREEZE_S = 1.5
 class WorkerArgs:
     """What ``epd worker`` was started with."""
 
-    role: str
+    role: Role
     instance_id: str
     router: str
     model: str | None = None
@@ -53,7 +54,7 @@ class BaseWorker:
     """Subclasses set up their engine, call ``announce`` and implement
     ``handle_role`` / ``has_work`` / ``step`` / ``poll`` / ``abort`` / ``stats``."""
 
-    role = "base"
+    role: str = "base"  # subclasses: their Role
 
     def __init__(self, args: WorkerArgs) -> None:
         self.t0 = time.monotonic()

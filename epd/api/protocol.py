@@ -1,0 +1,145 @@
+"""The HTTP API's wire shapes: OpenAI's request bodies and error objects.
+
+Request bodies follow OpenAI's API reference (chat completions, completions) as the
+official ``openai`` SDK sends them; unknown fields are ignored. vLLM's OpenAI server
+is the model for the extras (``top_k``, ``ignore_eos``). Errors are OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` body.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from epd.sampling_params import MAX_LOGPROBS
+
+
+# ---- request bodies (OpenAI's shapes) -----------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
+
+
+class InputAudio(_Body):
+    data: str
+    format: Literal["wav", "mp3"]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class AudioPart(_Body):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """The fields chat and completions requests share (sampling, streaming, ``n``)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    n: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    ignore_eos: bool | None = False
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: a text prompt, a list of token ids, or a batch of either
+    (choice ``p * n + i`` is the i-th sample of prompt p)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+
+def has_lone_surrogate(obj) -> bool:
+    """True when any string in ``obj`` (a pydantic model, list, dict or str) cannot be UTF-8 encoded."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, BaseModel):
+        return any(has_lone_surrogate(getattr(obj, f)) for f in type(obj).model_fields)
+    if isinstance(obj, (list, tuple)):
+        return any(has_lone_surrogate(x) for x in obj)
+    if isinstance(obj, dict):
+        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in obj.items())
+    return False
+
+
+# ---- errors -------------------------------------------------------------------------------------
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable_error", 504: "timeout_error"}
+_ERROR_CODES = {401: "invalid_api_key", 413: "request_too_large", 429: "rate_limit_exceeded",
+                503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code or _ERROR_CODES.get(status)}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """``error_body`` as a JSON response with HTTP status ``status``."""
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+class BadRequest(Exception):
+    """A request the API refuses: answered with ``error_response(status, message, param)``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status

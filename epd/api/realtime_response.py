@@ -1,0 +1,272 @@
+"""``/v1/realtime`` answering: the conversation as a prompt (``ConversationPrompt``),
+the response task that streams deltas and segments (``ResponseStream``), and the
+transcription of committed audio in the E pool for text-only models (``Transcriber``).
+The protocol is described in ``epd.api.realtime``."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+
+from epd.api.chat_prompt import flatten, template_takes_parts
+from epd.api.realtime_events import ClientError, Item, Part, ResponseState, new_id
+from epd.api.segmenter import PhraseSegmenter
+from epd.api.streaming import RequestTimer
+from epd.detokenizer import IncrementalDetokenizer
+from epd.encoders.media import MediaError
+from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
+from epd.errors import InvalidRequestError
+from epd.messages import WireSamplingParams
+from epd.router.router import RequestError, RouterRequest
+from epd.sampling_params import SamplingParams
+
+#: how long a transcription waits for an encode pool that is down (503) to come back
+ASR_RETRY_S = 10.0
+
+
+class ConversationPrompt:
+    """Renders conversation items through the model's chat template into a router request."""
+
+    def __init__(self, tokenizer, processor: MultiModalProcessor, max_model_len: int) -> None:
+        self.tokenizer, self.processor, self.max_model_len = tokenizer, processor, max_model_len
+        self.embed_audio = processor.modalities.get("audio") == "embed"
+        self.audio_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["audio"])
+                          if self.embed_audio else AUDIO_PLACEHOLDER)
+        self.structured = template_takes_parts(tokenizer, None, self.audio_tok if self.embed_audio else None)
+
+    async def messages(self, items: list[Item], instructions: str | None) -> tuple[list[dict], list]:
+        """Chat messages of ``items`` (transcripts awaited) and their audio clips, in order."""
+        msgs: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+        audios = []
+        for it in items:
+            parts = []
+            for p in it.parts:
+                if p.type != "input_audio":
+                    parts.append({"type": "text", "text": p.text or ""})
+                elif self.embed_audio:
+                    audios.append((p.pcm, p.rate))
+                    parts.append({"type": "audio"})
+                else:
+                    text = await asyncio.shield(p.asr) if p.asr is not None else (p.transcript or "")
+                    parts.append({"type": "text", "text": text})
+            if it.role == "assistant" and not any(p.get("text") for p in parts):
+                continue  # an answer cancelled before its first word
+            msgs.append({"role": it.role, "content": flatten(parts, None, self.audio_tok, self.structured)})
+        return msgs, audios
+
+    async def build_request(self, resp: ResponseState) -> tuple[RouterRequest, int]:
+        """The router request of a response and its number of audio placeholder tokens.
+
+        Drops the oldest items while the prompt plus ``max_output_tokens`` (at least
+        one token) does not fit ``max_model_len``.
+
+        Raises:
+            ClientError: nothing to answer, or the newest item alone is too long.
+            InvalidRequestError / MediaError: from the processor.
+        """
+        items = list(resp.items)
+        while True:
+            msgs, audios = await self.messages(items, resp.instructions)
+            try:
+                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # jinja raises for conversations the template rejects
+                raise ClientError(f"the model's chat template rejected the conversation: {e}") from None
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            processed = self.processor.process(ids, {"audio": audios} if audios else None)
+            n = len(processed.prompt_token_ids)
+            want = 1 if resp.max_output_tokens == "inf" else resp.max_output_tokens
+            if n + want <= self.max_model_len:
+                break
+            if len(items) == 1:
+                raise ClientError(f"the newest item alone makes a {n}-token prompt; with max_output_tokens "
+                                  f"{resp.max_output_tokens} it does not fit max_model_len {self.max_model_len}",
+                                  None, "context_length_exceeded")
+            items.pop(0)
+        max_tokens = self.max_model_len - n if resp.max_output_tokens == "inf" else resp.max_output_tokens
+        sp = SamplingParams(temperature=resp.temperature, max_tokens=max_tokens)
+        req = RouterRequest(f"{resp.id}-{uuid.uuid4().hex[:6]}", processed.prompt_token_ids,
+                            WireSamplingParams.from_params(sp), processed.items, processed.placeholders)
+        audio_tokens = sum(p.length for p, it in zip(processed.placeholders, processed.items)
+                           if it.modality == "audio")
+        return req, audio_tokens
+
+
+def _failure(e: Exception) -> dict:
+    """``status_details`` of a response that failed with ``e``."""
+    code = getattr(e, "code", None) or ("invalid_request" if isinstance(e, (InvalidRequestError, MediaError))
+                                        else "server_error")
+    return {"type": "failed", "error": {"type": "invalid_request_error" if code != "server_error"
+                                        else "server_error", "code": code, "message": str(e)}}
+
+
+class ResponseStream:
+    """The response task of a ``RealtimeSession``: prompt -> router -> deltas and
+    segments -> done. Cancellation (barge-in) lands here and ends as status ``cancelled``.
+
+    ``session`` gives ``api`` (router, tokenizer, prompt, metrics), ``emit``,
+    ``insert``, ``conversation_id`` and ``active`` (cleared when this response ends).
+    """
+
+    def __init__(self, session, resp: ResponseState) -> None:
+        self.session, self.resp, self.api = session, resp, session.api
+        self.segmenter = PhraseSegmenter()
+        self.n_segments = 0
+        self.ids = {"response_id": resp.id}
+
+    def _segment(self, seg) -> None:
+        self.session.emit("response.output_text.segment", **self.ids, output_index=0, content_index=0,
+                          segment_index=self.n_segments, text=seg.text, reason=seg.reason)
+        self.n_segments += 1
+
+    async def run(self) -> None:
+        s, resp = self.session, self.resp
+        timer = RequestTimer(self.api.metrics)
+        try:
+            try:
+                req, audio_tokens = await self.api.prompt.build_request(resp)
+                detok = IncrementalDetokenizer(self.api.tokenizer, req.prompt_token_ids)
+                self._open(len(req.prompt_token_ids), audio_tokens)
+                reason = await self._generate(req, detok, timer)
+                timer.finished = True
+                if reason == "length":
+                    resp.status, resp.status_details = "incomplete", {"type": "incomplete",
+                                                                      "reason": "max_output_tokens"}
+                else:
+                    resp.status, resp.status_details = "completed", {"type": "completed"}
+            except asyncio.CancelledError:
+                resp.status = "cancelled"
+                resp.status_details = {"type": "cancelled", "reason": resp.cancel_reason or "client_cancelled"}
+            except (ClientError, InvalidRequestError, MediaError, RequestError) as e:
+                timer.finished = True
+                resp.status, resp.status_details = "failed", _failure(e)
+            finally:
+                timer.close()
+            self._close()
+        finally:
+            if s.active is resp:
+                s.active = None
+
+    def _open(self, prompt_tokens: int, audio_tokens: int) -> None:
+        """Usage so far, the assistant item, and the events that open the output."""
+        s, resp = self.session, self.resp
+        resp.usage = {"total_tokens": prompt_tokens, "input_tokens": prompt_tokens, "output_tokens": 0,
+                      "input_token_details": {"cached_tokens": 0, "audio_tokens": audio_tokens,
+                                              "text_tokens": prompt_tokens - audio_tokens, "image_tokens": 0},
+                      "output_token_details": {"text_tokens": 0, "audio_tokens": 0}}
+        resp.item = Item(new_id("item"), "assistant", [Part("output_text", text="")], "in_progress")
+        self.ids["item_id"] = resp.item.id
+        if resp.in_conversation:
+            prev = s.insert(resp.item, None)
+            s.emit("conversation.item.created", item=resp.item.to_json(), previous_item_id=prev)
+        s.emit("response.output_item.added", response_id=resp.id, output_index=0, item=resp.item.to_json())
+        s.emit("response.content_part.added", **self.ids, output_index=0, content_index=0,
+               part={"type": "text", "text": ""})
+
+    async def _generate(self, req: RouterRequest, detok: IncrementalDetokenizer, timer: RequestTimer) -> str | None:
+        """Stream the router's tokens as deltas and segments; the finish reason."""
+        resp = self.resp
+        gen = self.api.router.generate(req)
+        try:
+            async for ev in gen:
+                timer.on_tokens(len(ev.token_ids))
+                resp.usage["output_tokens"] += len(ev.token_ids)
+                resp.usage["input_token_details"]["cached_tokens"] = min(ev.num_cached_tokens,
+                                                                         len(req.prompt_token_ids))
+                done = ev.finished
+                detok.update(ev.token_ids)
+                delta = detok.get_next_output_text(done, delta=True)
+                if delta:
+                    resp.text.append(delta)
+                    resp.item.parts[0].text = "".join(resp.text)
+                    self.session.emit("response.output_text.delta", **self.ids, output_index=0, content_index=0,
+                                      delta=delta)
+                    for seg in self.segmenter.feed(delta):
+                        self._segment(seg)
+                if done:
+                    return ev.finish_reason
+        finally:
+            await gen.aclose()
+        return None
+
+    def _close(self) -> None:
+        """The last segment, the events that close the output, and ``response.done``."""
+        s, resp = self.session, self.resp
+        if resp.item is not None:
+            last = self.segmenter.flush("cancelled" if resp.status == "cancelled" else "end")
+            if last is not None:
+                self._segment(last)
+            text = "".join(resp.text)
+            resp.item.status = "completed" if resp.status == "completed" else "incomplete"
+            s.emit("response.output_text.done", **self.ids, output_index=0, content_index=0, text=text)
+            s.emit("response.content_part.done", **self.ids, output_index=0, content_index=0,
+                   part={"type": "text", "text": text})
+            s.emit("response.output_item.done", response_id=resp.id, output_index=0, item=resp.item.to_json())
+        if resp.usage is not None:
+            resp.usage["total_tokens"] = resp.usage["input_tokens"] + resp.usage["output_tokens"]
+            resp.usage["output_token_details"]["text_tokens"] = resp.usage["output_tokens"]
+        s.emit("response.done", response=resp.to_json(s.conversation_id))
+
+
+class Transcriber:
+    """Text-only models: each committed audio part is transcribed in the E pool as
+    soon as it arrives; ``emit`` sends the ``...input_audio_transcription.*`` events."""
+
+    def __init__(self, api, emit) -> None:
+        self.api, self.emit = api, emit
+        self.tasks: set[asyncio.Task] = set()
+
+    def start(self, item: Item) -> None:
+        """Transcribe each audio part of ``item``, starting now."""
+        if self.api.processor.modalities.get("audio") != "transcribe":
+            return
+        for idx, part in enumerate(item.parts):
+            if part.type == "input_audio":
+                self._task(item, idx, part)
+
+    def retry_failed(self, items: list[Item]) -> None:
+        """A clip whose transcription failed (a pool down, a timeout) is tried again by the next response."""
+        for item in items:
+            for idx, part in enumerate(item.parts):
+                if part.asr is not None and part.asr.done() and (part.asr.cancelled() or part.asr.exception()):
+                    self._task(item, idx, part)
+
+    def cancel_all(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+
+    def _task(self, item: Item, idx: int, part: Part) -> None:
+        part.asr = asyncio.create_task(self._transcribe(item, idx, part))
+        self.tasks.add(part.asr)
+        part.asr.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # reported as a transcription.failed event; a response awaiting it fails
+
+    async def _transcribe(self, item: Item, idx: int, part: Part) -> str:
+        """The clip's transcript from the E pool. A pool that is down (503: e.g. its
+        worker missed heartbeats on a busy machine) is retried for ``ASR_RETRY_S``."""
+        try:
+            media = self.api.processor.audio_item((part.pcm, part.rate))
+            deadline = asyncio.get_running_loop().time() + ASR_RETRY_S
+            for attempt in itertools.count():
+                try:
+                    (text,) = await self.api.router.transcribe(f"{item.id}-asr{idx}.{attempt}", [media])
+                    break
+                except RequestError as e:
+                    if e.status != 503 or asyncio.get_running_loop().time() > deadline:
+                        raise
+                    await asyncio.sleep(0.25)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.emit("conversation.item.input_audio_transcription.failed", item_id=item.id, content_index=idx,
+                      error={"type": "transcription_error", "code": None, "message": str(e), "param": None})
+            raise
+        part.transcript = text.strip()
+        part.pcm = None  # the transcript is what the model hears from now on
+        self.emit("conversation.item.input_audio_transcription.completed", item_id=item.id, content_index=idx,
+                  transcript=part.transcript)
+        return part.transcript

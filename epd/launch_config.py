@@ -1,0 +1,118 @@
+"""The settings of ``epd launch``: one typed, validated config built once from the CLI.
+
+:class:`LaunchConfig`'s field defaults are the single source of the launch
+defaults: ``epd launch``'s argparse options take theirs from it (so ``--help``
+shows them), and :func:`epd.api.serve.serve` reads the config, never the raw
+``argparse.Namespace``. Kept free of torch so that ``epd --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from epd.launch_spec import LaunchSpecError, parse_pools, parse_tp
+from epd.roles import Role
+
+__all__ = ["LaunchConfig", "ROUTING_POLICIES", "KV_FAILURE_POLICIES", "WORKER_ENGINE_FLAGS"]
+
+#: routing policies per pool, the default first (epd.router.policies.POLICIES, kept here so
+#: `epd --help` need not import torch; tests check that the two agree)
+ROUTING_POLICIES = {Role.ENCODE: ("media-affinity", "least-loaded", "round-robin"),
+                    Role.PREFILL: ("kv", "least-loaded", "round-robin"),
+                    Role.DECODE: ("free-kv", "least-loaded", "round-robin")}
+
+#: what a failed P->D KV transfer does (router.router.KV_FAILURE_POLICIES), the default first
+KV_FAILURE_POLICIES = ("retry", "recompute")
+
+#: engine settings a worker takes (flag, type); `epd launch` forwards the ones given to every worker
+WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
+                       ("--kv-cache-memory-gb", float), ("--num-kv-blocks", int), ("--max-model-len", int))
+
+
+@dataclass(slots=True, frozen=True)
+class LaunchConfig:
+    """Everything ``epd launch`` was asked for; one field per ``epd launch`` flag
+    (``--router-port`` -> ``router_port``). Fields are documented by the flags' help
+    (``epd launch --help``).
+
+    Raises:
+        LaunchSpecError: an invalid ``pools`` / ``tp`` spec (the message of
+            :func:`epd.launch_spec.parse_pools` / :func:`~epd.launch_spec.parse_tp`), or
+            a value outside what the matching flag accepts.
+    """
+
+    # pools and placement
+    pools: str = "e:1,p:1,d:1"
+    tp: str | None = None
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    threads_per_worker: int | None = None  # None: usable cores / processes, at least 1
+    router_port: int = 0  # 0: pick a free one
+    ready_timeout: float = 600.0
+    # engine settings forwarded to every worker (None: the worker's default)
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_gb: float | None = None
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    # routing
+    encode_routing: str = ROUTING_POLICIES[Role.ENCODE][0]
+    prefill_routing: str = ROUTING_POLICIES[Role.PREFILL][0]
+    decode_routing: str = ROUTING_POLICIES[Role.DECODE][0]
+    kv_overlap_weight: float = 1.0
+    # failure recovery
+    max_retries: int = 2
+    kv_failure_policy: str = KV_FAILURE_POLICIES[0]
+    stage_timeout: float = 120.0
+    token_timeout: float = 120.0
+    kv_timeout: float | None = None  # None: the worker's default
+    max_worker_restarts: int = 5
+    # OpenAI API
+    api_key: str | None = None  # None: $EPD_API_KEY, else none
+    max_body_mb: float = 64.0
+    max_pending_requests: int = 256
+    max_n: int = 8
+    allowed_media_domains: str = ""  # comma-separated
+    media_fetch_timeout: float = 10.0
+    max_media_mb: float = 20.0
+    # KV staging when prefill or decode is tensor-parallel
+    kv_staging_mb: int = 256
+
+    def __post_init__(self) -> None:
+        parse_tp(self.tp, parse_pools(self.pools))
+        for role, field_name in ((Role.ENCODE, "encode_routing"), (Role.PREFILL, "prefill_routing"),
+                                 (Role.DECODE, "decode_routing")):
+            if getattr(self, field_name) not in ROUTING_POLICIES[role]:
+                raise LaunchSpecError(f"{field_name} must be one of {ROUTING_POLICIES[role]}, "
+                                      f"got {getattr(self, field_name)!r}")
+        if self.kv_failure_policy not in KV_FAILURE_POLICIES:
+            raise LaunchSpecError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}, "
+                                  f"got {self.kv_failure_policy!r}")
+        if not self.kv_overlap_weight >= 0:  # also rejects nan
+            raise LaunchSpecError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
+        for name in ("threads_per_worker", "max_pending_requests", "max_n", "kv_staging_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise LaunchSpecError(f"{name} must be >= 1, got {value}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LaunchConfig:
+        """The config of parsed ``epd launch`` arguments. Attributes that are not
+        fields (``command``, ``func``) are ignored; fields ``args`` lacks keep their
+        defaults, so a hand-built Namespace needs only the settings it changes."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def forwarded_worker_args(self) -> list[str]:
+        """``epd worker`` flags for the worker settings given: the engine flags of
+        :data:`WORKER_ENGINE_FLAGS` and ``--kv-timeout``."""
+        out = []
+        for flag, _ in WORKER_ENGINE_FLAGS:
+            value = getattr(self, flag[2:].replace("-", "_"))
+            if value is not None:
+                out += [flag, str(value)]
+        if self.kv_timeout is not None:
+            out += ["--kv-timeout", str(self.kv_timeout)]
+        return out
