@@ -326,8 +326,8 @@ async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path, sink: dic
     from epd import metrics
     from epd.launch_spec import build_launch_plan
     from epd.launcher import Launcher
-    from epd.messages import WireSamplingParams
     from epd.router.router import Router, RouterRequest
+    from epd.sampling_params import SamplingParams
 
     plan = build_launch_plan("p:1,d:1", None, num_attention_heads=geo.heads, num_kv_heads=geo.kv_heads)
     metrics.setup_multiprocess_dir()
@@ -360,7 +360,7 @@ async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path, sink: dic
         async def one(rid: str, length: int) -> dict:
             n = geo.prompt_tokens(length)
             prompt = torch.randint(NUM_SPECIAL_IDS, geo.vocab, (n,), generator=gen).tolist()
-            req = RouterRequest(rid, prompt, WireSamplingParams(temperature=0.0, max_tokens=2))
+            req = RouterRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=2))
             stats = None
             t_start = time.perf_counter()
 

@@ -8,7 +8,8 @@ import torch
 from transformers import PretrainedConfig
 
 from epd.encoders.encoder_cache import EncoderCache
-from epd.encoders.processor import MediaItem, model_modalities
+from epd.encoders.processor import model_modalities
+from epd.multimodal import MediaItem
 
 
 class EncoderRunner:

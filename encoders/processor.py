@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 
 from epd.encoders.media import MediaLimits, decode_audio, decode_image, normalize_audio, normalize_image
 from epd.errors import InvalidRequestError
-from epd.sequence import MultiModalPlaceholder
+from epd.multimodal import MediaItem, Placeholder
 
 WHISPER_WINDOW_S = 30.0
 # Where a clip's transcript goes in a text prompt for a text-only LM (audio_mode "transcribe").
@@ -36,26 +36,9 @@ AUDIO_PLACEHOLDER = "<|audio|>"
 
 
 @dataclass(slots=True)
-class MediaItem:
-    """One preprocessed media item, ready for its tower.
-
-    image: ``data["pixel_values"]``: [3, H, W] fp32.
-    audio (embed): ``data["input_features"]``: [windows, mel, frames] fp32 and
-    ``data["num_frames"]``: [windows] int64 (valid frames per 30 s window).
-    audio (transcribe): ``data["audio"]``: [samples] fp32 at 16 kHz.
-    ``num_tokens``: embedding rows the tower will produce (0 for transcribe).
-    """
-
-    modality: str
-    item_hash: str
-    data: dict[str, torch.Tensor] = field(default_factory=dict)
-    num_tokens: int = 0
-
-
-@dataclass(slots=True)
 class ProcessedPrompt:
     prompt_token_ids: list[int]
-    placeholders: list[MultiModalPlaceholder]
+    placeholders: list[Placeholder]
     items: list[MediaItem]
 
 
@@ -221,7 +204,7 @@ class MultiModalProcessor:
                     f"{modality} item(s) were given: put exactly one placeholder per item "
                     f"(placeholder text without media is not allowed)", "prompt")
         out_ids: list[int] = []
-        placeholders: list[MultiModalPlaceholder] = []
+        placeholders: list[Placeholder] = []
         ordered: list[MediaItem] = []
         next_item = {m: 0 for m in self.placeholder_ids}
         by_id = {v: k for k, v in self.placeholder_ids.items()}
@@ -232,7 +215,7 @@ class MultiModalProcessor:
                 continue
             item = items[modality][next_item[modality]]
             next_item[modality] += 1
-            placeholders.append(MultiModalPlaceholder(len(out_ids), item.num_tokens, item.item_hash))
+            placeholders.append(Placeholder(len(out_ids), item.num_tokens, item.item_hash))
             ordered.append(item)
             out_ids.extend([t] * item.num_tokens)
         if items["audio"] and self.modalities.get("audio") == "transcribe":

@@ -11,7 +11,7 @@ dependency) and maps onto ``transformers.WhisperForConditionalGeneration``.
 generation config) with the same temp-dir + marker + rename + ``flock`` protocol that
 :mod:`epd.model_files` uses for the default LM, and reuses the copy afterwards.
 
-CTranslate2 ``model.bin`` layout (little-endian; see DESIGN.md "Models")::
+CTranslate2 ``model.bin`` layout (little-endian; checked against the packaged tiny.en file by tests/encoders/test_whisper.py)::
 
     u32 version
     string spec name, u32 spec revision           (version >= 2)

@@ -22,7 +22,7 @@ ROUTING_POLICIES = {Role.ENCODE: ("media-affinity", "least-loaded", "round-robin
                     Role.PREFILL: ("kv", "least-loaded", "round-robin"),
                     Role.DECODE: ("free-kv", "least-loaded", "round-robin")}
 
-#: what a failed P->D KV transfer does (router.router.KV_FAILURE_POLICIES), the default first
+#: what a failed P->D KV transfer does (applied by epd.router.recovery), the default first
 KV_FAILURE_POLICIES = ("retry", "recompute")
 
 #: engine settings a worker takes (flag, type); `epd launch` forwards the ones given to every worker

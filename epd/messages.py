@@ -1,14 +1,18 @@
 """Every control-plane message between epd processes, in one module.
 
 ZeroMQ carries these as msgpack (msgspec) — never pickle. Each message is a
-tagged struct; ``encode`` / ``decode`` are the only (de)serialisers. Tensors
-travel as ``TensorBlob`` (dtype name, shape, raw bytes), checked on decode
-against an allow-list of dtypes and the byte count implied by the shape.
+tagged struct; ``encode`` / ``decode`` are the only (de)serialisers. The
+in-process types go on the wire as they are (``SamplingParams``, and
+``Placeholder`` / ``MediaItem`` from ``epd.multimodal``). A ``torch.Tensor``
+field travels as a ``TensorBlob`` (dtype name, shape, raw bytes; the
+encoder's ``enc_hook`` / decoder's ``dec_hook``), checked on decode against an
+allow-list of dtypes, the byte count implied by the shape and
+``MAX_TENSOR_BYTES``.
 Bulk data (embeddings, KV cache) never rides here: it moves over NIXL, and
 these messages carry only descriptor tables (``Region`` = addr, nbytes,
 device id) that the receiver validates against what the peer advertised.
 
-Flow (see DESIGN.md, "Request life cycle"):
+Flow (see docs/architecture.md, "Wire messages"):
   router -> E: EncodeRequest            E -> router: EncodeDone
   router -> D: ReserveKV (prompt, params) D -> router: KVReserved
   router -> P: PrefillRequest           P -> router: PrefillDone ; P -> D (NIXL notif): KVReady
@@ -26,6 +30,7 @@ import msgspec
 import numpy as np
 import torch
 
+from epd.multimodal import MediaItem, Placeholder
 from epd.sampling_params import SamplingParams
 
 Region = tuple[int, int, int]  # (addr, nbytes, device_id) of registered memory
@@ -41,7 +46,11 @@ class MessageError(ValueError):
 
 
 class TensorBlob(msgspec.Struct, frozen=True):
-    """A tensor on the wire: ``dtype`` name, ``shape``, raw little-endian bytes."""
+    """A tensor on the wire: ``dtype`` name, ``shape``, raw little-endian bytes.
+
+    Every ``torch.Tensor`` field of a message (``MediaItem.data``) is sent as one
+    (``_enc_hook``) and checked by ``to_tensor`` on decode (``_dec_hook``); engine
+    workers check embeddings read over NIXL the same way."""
 
     dtype: str
     shape: list[int]
@@ -69,31 +78,6 @@ class TensorBlob(msgspec.Struct, frozen=True):
         return torch.from_numpy(buf).view(dtype).reshape(self.shape)
 
 
-class WireSamplingParams(msgspec.Struct, frozen=True):
-    """``SamplingParams`` on the wire (stop strings stay in the API process)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int = 16
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    _FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "max_tokens",
-               "ignore_eos", "logprobs")
-
-    @classmethod
-    def from_params(cls, sp: SamplingParams) -> WireSamplingParams:
-        return cls(**{f: getattr(sp, f) for f in cls._FIELDS}, stop_token_ids=list(sp.stop_token_ids))
-
-    def to_params(self) -> SamplingParams:
-        """Raises ValueError for out-of-range values (a worker validates what it receives)."""
-        return SamplingParams(**{f: getattr(self, f) for f in self._FIELDS}, stop_token_ids=list(self.stop_token_ids))
-
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """One generated token's log-probability and its top alternatives (``epd.outputs.TokenLogprobs``)."""
@@ -106,12 +90,6 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     @classmethod
     def from_output(cls, lp) -> TokenLogprob:
         return cls(lp.token_id, lp.logprob, list(lp.top_ids), list(lp.top_logprobs))
-
-
-class Placeholder(msgspec.Struct, frozen=True):
-    offset: int
-    length: int
-    item_hash: str
 
 
 # ---- worker lifecycle -------------------------------------------------------
@@ -145,7 +123,7 @@ class KVLayout(msgspec.Struct, frozen=True):
 
 
 class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
-    role: str  # "encode" | "prefill" | "decode" | "pd"
+    role: str  # an epd.roles.Role value
     instance_id: str
     pid: int
     cmd_endpoint: str  # where the worker's command socket is bound
@@ -190,16 +168,9 @@ class PeerInfo(msgspec.Struct, tag="peer", frozen=True):
 
 
 # ---- encode -------------------------------------------------------------------
-class EncodeItem(msgspec.Struct, frozen=True):
-    item_hash: str
-    modality: str
-    tensors: dict[str, TensorBlob]
-    num_tokens: int
-
-
 class EncodeRequest(msgspec.Struct, tag="encode", frozen=True):
     request_id: str
-    items: list[EncodeItem]
+    items: list[MediaItem]
 
 
 class EmbeddingRef(msgspec.Struct, frozen=True):
@@ -226,7 +197,7 @@ class ReserveKV(msgspec.Struct, tag="reserve", frozen=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    params: WireSamplingParams
+    params: SamplingParams
 
 
 class KVReserved(msgspec.Struct, tag="reserved", frozen=True):
@@ -242,7 +213,7 @@ class KVReserved(msgspec.Struct, tag="reserved", frozen=True):
 class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: WireSamplingParams
+    params: SamplingParams
     decode_instance: str
     decode_block_ids: list[int]
     placeholders: list[Placeholder] = []
@@ -280,7 +251,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", frozen=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    params: WireSamplingParams
+    params: SamplingParams
     placeholders: list[Placeholder] = []
     encode_instance: str | None = None
     embeddings: list[EmbeddingRef] = []
@@ -335,8 +306,32 @@ Message = (WorkerReady | Heartbeat | KVEvents | PeerInfo | EncodeRequest | Encod
            | PrefillRequest | KVReady | PrefillDone | GenerateRequest | TokenOutput
            | RequestFailed | Abort | ReleaseEmbeddings | StatsRequest | WorkerStats | Shutdown)
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+
+def _enc_hook(obj):
+    """``torch.Tensor`` -> ``TensorBlob`` (``MessageError`` for a dtype off the allow-list)."""
+    if isinstance(obj, torch.Tensor):
+        return TensorBlob.from_tensor(obj)
+    raise TypeError(f"Encoding objects of type {type(obj).__name__} is unsupported")
+
+
+def _dec_hook(tp, obj):
+    """A ``TensorBlob`` map -> ``torch.Tensor``, checked by ``TensorBlob.to_tensor``; any
+    error becomes a ``msgspec.ValidationError`` (so ``MessageError`` from ``decode``)."""
+    if tp is torch.Tensor:
+        if not isinstance(obj, dict) or not isinstance(obj.get("data"), bytes):  # convert() would take base64 text
+            raise MessageError("a tensor must be a TensorBlob map with raw bytes")
+        blob = msgspec.convert(obj, TensorBlob)
+        try:
+            return blob.to_tensor()
+        except MessageError:
+            raise
+        except Exception as e:  # e.g. torch refusing a view: still a bad message, never a crash
+            raise MessageError(f"bad tensor {blob.dtype} {blob.shape}: {e}") from None
+    raise TypeError(f"{tp} cannot be received")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder = msgspec.msgpack.Decoder(Message, dec_hook=_dec_hook)
 
 
 def encode(msg: Message) -> bytes:

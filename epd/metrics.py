@@ -91,6 +91,10 @@ class Metrics:
         kv_cache_usage_ratio: used / total KV blocks of the instance, 0..1.
         queue_depth: requests waiting in the instance's queue.
         running_requests: requests in the instance's running batch.
+        router_requests: requests open in the router, with a third label ``state``
+            (encode, prefill, transfer, decode: ``epd.router.request.RequestState``),
+            ``pool="router"``, ``instance="router"``; ``epd_router_requests``. Mode
+            ``livesum`` (not ``livemax``: router processes' counts add up).
 
     Why ``livemax`` for every gauge: each (pool, instance) series is owned by one
     instance, and the TP ranks of an instance run replicated schedulers, so they
@@ -133,6 +137,7 @@ class Metrics:
     kv_cache_usage_ratio: object
     queue_depth: object
     running_requests: object
+    router_requests: object
 
 
 # field -> (metric name, help, buckets)
@@ -273,6 +278,8 @@ def get_metrics() -> Metrics:
                                             (*LABELS, "policy"), registry=_registry)
         for field, (name, doc, mode) in _GAUGES.items():
             objs[field] = Gauge(name, doc, LABELS, multiprocess_mode=mode, registry=_registry)
+        objs["router_requests"] = Gauge("epd_router_requests", "Requests open in the router, by state",
+                                        (*LABELS, "state"), multiprocess_mode="livesum", registry=_registry)
         _metrics_dir = multiprocess_dir()
         _metrics = Metrics(**objs)
         return _metrics

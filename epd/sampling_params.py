@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+
+import msgspec
 
 # Temperatures below this are greedy (dividing logits by them overflows); as in vLLM.
 _SAMPLING_EPS = 1e-5
@@ -11,9 +12,17 @@ _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
-@dataclass(slots=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, omit_defaults=True):
     """How to pick each output token and when to stop.
+
+    One type in-process and on the wire (a msgspec Struct, as in vLLM): the API
+    builds it, the router and workers receive it as is inside ``ReserveKV``,
+    ``PrefillRequest`` and ``GenerateRequest``. ``__post_init__`` validates and
+    normalizes; msgspec also runs it on decode, so a message carrying an
+    out-of-range value fails to decode (``epd.messages.MessageError``). Copy
+    with changes through ``msgspec.structs.replace(params, ...)``, which
+    validates again. Workers ignore the stop strings (the API process
+    detokenizes).
 
     Args:
         temperature: 0 (anything below 1e-5) means greedy (argmax); > 0 scales
@@ -37,7 +46,9 @@ class SamplingParams:
             vLLM returns them by default.
 
     Raises:
-        ValueError: on out-of-range values (the message names the field).
+        ValueError: on out-of-range values (the message names the field); on
+            decode from the wire, ``msgspec.ValidationError`` (``MessageError``
+            from ``epd.messages.decode``).
 
     Source: vLLM ``SamplingParams``; penalties follow the OpenAI API reference.
     """
@@ -50,7 +61,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     max_tokens: int = 16
     stop: list[str] | str | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -5,43 +5,24 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 
+from epd.block_hash import placeholder_keys
+from epd.multimodal import Placeholder
 from epd.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    """``WAITING_FOR_REMOTE_KV``: blocks are allocated and another instance is
+    writing the prompt's KV into them (decode side of a KV transfer, vLLM v1's
+    ``WAITING_FOR_REMOTE_KVS``); the scheduler never schedules it until the KV
+    connector reports the KV complete."""
+
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
-
-
-@dataclass(frozen=True, slots=True)
-class MultiModalPlaceholder:
-    """One media item's span in the prompt.
-
-    ``offset``: index of its first placeholder token; ``length``: number of
-    placeholder tokens (= embedding rows); ``item_hash``: full hex digest of the
-    item (sha256 of the decoded, preprocessed input); it is mixed into the hash of
-    every KV block the span touches, so the same text with a different image never
-    shares KV.
-    """
-
-    offset: int
-    length: int
-    item_hash: str
-
-
-def placeholder_keys(placeholders, block_index: int, block_size: int) -> tuple[str, ...]:
-    """Item hashes of the ``placeholders`` (anything with ``offset``, ``length``,
-    ``item_hash``: ``MultiModalPlaceholder`` or the wire ``Placeholder``) whose
-    span overlaps tokens [block_index * block_size, (block_index + 1) * block_size)."""
-    if not placeholders:
-        return ()
-    start, end = block_index * block_size, (block_index + 1) * block_size
-    return tuple(p.item_hash for p in placeholders if p.offset < end and p.offset + p.length > start)
 
 
 _seq_counter = itertools.count()
@@ -58,7 +39,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, eos_token_ids: frozenset[int] = frozenset(),
-                 mm_placeholders: list[MultiModalPlaceholder] | None = None,
+                 mm_placeholders: list[Placeholder] | None = None,
                  mm_embeddings: list[torch.Tensor] | None = None) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id

@@ -3,7 +3,7 @@
 Prefill (and aggregated ``pd``) workers report their prefix cache's changes as
 ``KVEvents`` (block hashes stored, removed/evicted, or the whole cache cleared),
 batched at most once per heartbeat. The index keeps, per block hash, the set of
-instances that hold it. Block hashes are chained (``epd.engine.block_manager.
+instances that hold it. Block hashes are chained (``epd.block_hash.
 iter_block_hashes``: each hash covers its parent's hash, so the whole prefix
 before it, and the media item hashes of the block), so walking a request's
 chain from its first block and stopping at the first miss is a walk down a
@@ -42,7 +42,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from epd.engine.block_manager import iter_block_hashes
+from epd.block_hash import iter_block_hashes
 from epd.messages import KVEvents
 
 logger = logging.getLogger(__name__)

@@ -28,18 +28,19 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from epd.roles import Role
 from epd.router.kv_index import KVIndex, request_block_hashes
 from epd.router.registry import WorkerHandle
 
 if TYPE_CHECKING:
-    from epd.router.router import RouterRequest
+    from epd.router.request import RouterRequest
 
 #: policy names each pool accepts; the first is the default
 POLICIES: dict[str, tuple[str, ...]] = {
-    "encode": ("media-affinity", "least-loaded", "round-robin"),
-    "prefill": ("kv", "least-loaded", "round-robin"),
-    "pd": ("kv", "least-loaded", "round-robin"),
-    "decode": ("free-kv", "least-loaded", "round-robin"),
+    Role.ENCODE: ("media-affinity", "least-loaded", "round-robin"),
+    Role.PREFILL: ("kv", "least-loaded", "round-robin"),
+    Role.PD: ("kv", "least-loaded", "round-robin"),
+    Role.DECODE: ("free-kv", "least-loaded", "round-robin"),
 }
 
 

@@ -1,14 +1,27 @@
-"""Pool registry: which workers exist, their control sockets, liveness and load."""
+"""Pool registry: which workers exist, their control sockets, liveness and load.
+
+Membership: a worker joins with ``WorkerReady`` (``register``), which also
+introduces it to the peers it moves data with over NIXL: prefill / aggregated
+workers read embeddings from encoders and write KV to decoders, so each side
+gets the other's ``PeerInfo``. A worker stays alive while its heartbeats (or
+any message) arrive within ``heartbeat_timeout_s``; the launcher can declare it
+dead sooner (``mark_dead``). A restarted worker re-registers under its instance
+id and replaces its old handle.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
-from epd.messages import Heartbeat, Message, WorkerReady, encode
+from epd.messages import Heartbeat, Message, PeerInfo, WorkerReady, encode
+from epd.roles import Role
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +45,13 @@ class WorkerHandle:
     def send(self, msg: Message) -> None:
         self.socket.send(encode(msg), zmq.NOBLOCK)
 
+    def try_send(self, msg: Message) -> None:
+        """``send``, ignoring a socket error (best effort: aborts, shutdown)."""
+        try:
+            self.send(msg)
+        except zmq.ZMQError:
+            pass
+
 
 class PoolRegistry:
     """Workers by role; a worker is alive while heartbeats arrive within ``heartbeat_timeout_s``."""
@@ -51,6 +71,23 @@ class PoolRegistry:
         sock.connect(info.cmd_endpoint)
         handle = WorkerHandle(info, sock)
         self.workers[info.instance_id] = handle
+        return handle
+
+    def register(self, info: WorkerReady) -> WorkerHandle:
+        """``add`` a worker that reported ready, and exchange ``PeerInfo`` with its NIXL peers."""
+        handle = self.add(info)
+        logger.info("worker %s (%s) ready in %.1f s", info.instance_id, info.role, info.startup_s)
+        peer = PeerInfo(info.instance_id, info.nixl_metadata, list(info.regions), info.kv_layout)
+        # Prefill / aggregated workers read from encoders and write to decoders.
+        if info.role in (Role.ENCODE, Role.DECODE):
+            for w in self.workers.values():
+                if w.role in (Role.PREFILL, Role.PD) and w is not handle:
+                    w.send(peer)
+        if info.role in (Role.PREFILL, Role.PD):
+            for w in self.workers.values():
+                if w.role in (Role.ENCODE, Role.DECODE):
+                    handle.send(PeerInfo(w.instance_id, w.info.nixl_metadata, list(w.info.regions),
+                                         w.info.kv_layout))
         return handle
 
     def heartbeat(self, hb: Heartbeat) -> None:
@@ -89,6 +126,10 @@ class PoolRegistry:
 
     def get(self, instance_id: str) -> WorkerHandle | None:
         return self.workers.get(instance_id)
+
+    def has_pool(self, role: str) -> bool:
+        """Some worker of ``role`` has registered (alive or not)."""
+        return any(w.role == role for w in self.workers.values())
 
     def close(self) -> None:
         for w in self.workers.values():

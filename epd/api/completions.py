@@ -25,7 +25,6 @@ from epd.detokenizer import IncrementalDetokenizer
 from epd.encoders.media import MediaError
 from epd.encoders.processor import MultiModalProcessor
 from epd.errors import InvalidRequestError
-from epd.messages import WireSamplingParams
 from epd.router.router import RequestError, RouterRequest
 from epd.sampling_params import SamplingParams
 
@@ -197,7 +196,7 @@ class CompletionService:
         n = body.n or 1
         for i in range(n):
             seed = None if sp.seed is None else (sp.seed + i) % 2**63  # n > 1: distinct, reproducible draws
-            wire = msgspec.structs.replace(WireSamplingParams.from_params(sp), seed=seed)
+            wire = msgspec.structs.replace(sp, seed=seed)
             req = RouterRequest(f"{rid}-{p * n + i}", processed.prompt_token_ids, wire, processed.items,
                                 processed.placeholders)
             choice = Choice(p * n + i, req, IncrementalDetokenizer(self.tokenizer, processed.prompt_token_ids,

@@ -17,7 +17,6 @@ from epd.detokenizer import IncrementalDetokenizer
 from epd.encoders.media import MediaError
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
 from epd.errors import InvalidRequestError
-from epd.messages import WireSamplingParams
 from epd.router.router import RequestError, RouterRequest
 from epd.sampling_params import SamplingParams
 
@@ -86,7 +85,7 @@ class ConversationPrompt:
         max_tokens = self.max_model_len - n if resp.max_output_tokens == "inf" else resp.max_output_tokens
         sp = SamplingParams(temperature=resp.temperature, max_tokens=max_tokens)
         req = RouterRequest(f"{resp.id}-{uuid.uuid4().hex[:6]}", processed.prompt_token_ids,
-                            WireSamplingParams.from_params(sp), processed.items, processed.placeholders)
+                            sp, processed.items, processed.placeholders)
         audio_tokens = sum(p.length for p, it in zip(processed.placeholders, processed.items)
                            if it.modality == "audio")
         return req, audio_tokens

@@ -14,14 +14,15 @@ import torch
 from epd.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.block_manager import BlockManager
-from epd.engine.model_runner import (ModelRunner, StepKV, build_step_input, engine_config_to_json, free_port,
+from epd.engine.model_runner import (KVConnectorHooks, ModelRunner, build_step_input, engine_config_to_json, free_port,
                                      tp_worker_main)
 from epd.engine.scheduler import Scheduler
 from epd.errors import InvalidRequestError
 from epd.layers.sampler import Sampler, token_logprobs
 from epd.outputs import CompletionOutput, RequestOutput
 from epd.sampling_params import SamplingParams
-from epd.sequence import MultiModalPlaceholder, Sequence, SequenceStatus
+from epd.multimodal import Placeholder
+from epd.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +114,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = eos_token_ids(config.model, tokenizer)
-        # KV connector seam (vLLM v1's name): a finished sequence whose KV is still
-        # being sent keeps its blocks until ``release_held`` (prefill workers).
-        self.hold_finished_blocks = False
-        self.held: dict[str, Sequence] = {}
-        # Blocks reserved for KV that another worker will write (decode workers).
-        self.reserved: dict[str, Sequence] = {}
+        # The scheduler-side seam of a KV connector (``epd.transfer.kv_connector``), or None.
+        self.kv_connector: KVConnectorHooks | None = None
         self.vocab_size = config.text_config.vocab_size
         self.requests: dict[str, _Request] = {}
         self._by_seq_id: dict[int, _Request] = {}
@@ -128,7 +125,7 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None,
-                    mm_placeholders: list[MultiModalPlaceholder] | None = None,
+                    mm_placeholders: list[Placeholder] | None = None,
                     mm_embeddings: list[torch.Tensor] | None = None) -> None:
         """Queue a request.
 
@@ -172,12 +169,12 @@ class LLMEngine:
                 f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt")
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request wherever it is (queued, running, reserved, held for a KV
-        send); frees its blocks. Unknown ids are ignored."""
-        reserved = self.reserved.pop(request_id, None)
-        if reserved is not None:
-            self.block_manager.free(reserved)
-        self.release_held(request_id)
+        """Stop a request wherever it is (queued, running, waiting for remote KV);
+        frees its blocks (a KV connector frees the blocks it holds for a send in its
+        own ``abort``). Unknown ids are ignored."""
+        remote = self.scheduler.waiting_for_remote_kv.get(request_id)
+        if remote is not None:
+            self.scheduler.finish(remote, "abort")
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -188,21 +185,21 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- the loop -------------------------------------------------------
-    def step(self, layer_hook_factory=None) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """One step: schedule -> run -> sample -> post-process.
 
-        ``layer_hook_factory(scheduler_output)``, when given, returns the
-        per-layer hook for this step (see ``AttentionMetadata.layer_hook``) or a
-        ``StepKV`` (hook + staging packs, see ``epd.engine.model_runner``).
+        With a KV connector, its ``build_step(scheduler_output)`` gives the step's
+        per-layer hook and staging packs (``StepKV``, see ``epd.engine.model_runner``).
         """
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         step, mm_embeds = build_step_input(sched, self.config.block_size)
-        hook = layer_hook_factory(sched) if layer_hook_factory is not None else None
-        if isinstance(hook, StepKV):
-            step.kv_packs = hook.kv_packs
-            hook = hook.layer_hook
+        kv = self.kv_connector.build_step(sched) if self.kv_connector is not None else None
+        hook = None
+        if kv is not None:
+            step.kv_packs = kv.kv_packs
+            hook = kv.layer_hook
         logits = self.runner.execute(step, mm_embeds, hook)
         sampled: dict[int, int] = {}
         if step.seq_ids:
@@ -241,58 +238,48 @@ class LLMEngine:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        if self.hold_finished_blocks:
-            self.scheduler.finish(seq, reason, stop_reason, free=False)
-            self.held[seq.request_id] = seq
-        else:
-            self.scheduler.finish(seq, reason, stop_reason)
-
-    def release_held(self, request_id: str) -> None:
-        """Free the blocks of a finished sequence kept for a KV send."""
-        seq = self.held.pop(request_id, None)
-        if seq is not None:
-            self.block_manager.free(seq)
+        # A KV connector may keep the blocks of a finished sequence while its KV is
+        # sent (vLLM v1's ``request_finished``); it frees them itself.
+        keep = self.kv_connector is not None and self.kv_connector.request_finished(seq)
+        self.scheduler.finish(seq, reason, stop_reason, free=not keep)
 
     # ---- decode side of a KV transfer -----------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV another worker will write.
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams) -> list[int] | None:
+        """Queue a request whose prompt KV another instance will write.
 
-        Returns the block ids (one per ``block_size`` prompt tokens), or None when
-        there is no room now (nothing changed). The sequence joins the running
-        batch with ``add_prefilled``; ``abort_request`` releases it.
+        Its sequence waits in ``WAITING_FOR_REMOTE_KV`` with blocks for the whole
+        prompt. Returns the block ids (one per ``block_size`` prompt tokens), or
+        None when there is no room now (nothing changed). ``add_prefilled`` makes it
+        run; ``abort_request`` frees it.
 
         Raises:
             InvalidRequestError: as ``add_request``.
         """
         self.validate(prompt_token_ids, params)
-        if request_id in self.requests or request_id in self.reserved:
+        if request_id in self.requests or request_id in self.scheduler.waiting_for_remote_kv:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
-        if len(self.scheduler.running) + len(self.reserved) >= self.config.max_num_seqs:
-            return None
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
-        if self.scheduler.waiting or not self.block_manager.allocate_slots(seq, seq.num_tokens):
+        if not self.scheduler.add_remote(seq):
             return None
-        self.reserved[request_id] = seq
         return list(seq.block_table)
 
     def add_prefilled(self, request_id: str, first_token: int) -> RequestOutput:
-        """Join a reserved sequence whose prompt KV now fills its blocks.
+        """Run a ``WAITING_FOR_REMOTE_KV`` request whose prompt KV now fills its blocks.
 
         ``first_token`` was sampled by the prefill worker; a seeded random
         request's generator is advanced past that draw so the stream equals
         the aggregated engine's.
 
         Raises:
-            KeyError: no reservation for ``request_id``.
+            KeyError: no request ``request_id`` waits for remote KV.
         """
-        seq = self.reserved.pop(request_id)
-        seq.num_computed_tokens = seq.num_tokens
+        seq = self.scheduler.waiting_for_remote_kv[request_id]
         seq.token_ids.append(first_token)
         if seq.generator is not None and not seq.params.greedy:
             torch.empty(self.vocab_size).exponential_(generator=seq.generator)
         seq.num_cached_tokens = 0
-        seq.status = SequenceStatus.RUNNING
-        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.remote_kv_ready(request_id)
         req = _Request(seq, None, None)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids[:seq.num_prompt_tokens],
@@ -301,7 +288,6 @@ class LLMEngine:
                                                      skip_special_tokens=seq.params.skip_special_tokens)
         self.requests[request_id] = req
         self._by_seq_id[seq.seq_id] = req
-        self.scheduler.running.append(seq)
         return self._process(req)
 
     def _output(self, req: _Request, finished: bool) -> RequestOutput:
@@ -328,8 +314,7 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "kv_cache_usage": bm.usage(),
             "num_running": len(self.scheduler.running),
-            "num_reserved": len(self.reserved),
-            "num_held": len(self.held),
+            "num_reserved": len(self.scheduler.waiting_for_remote_kv),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.prefix_cache_queries,

@@ -16,6 +16,7 @@ import signal
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 import torch
@@ -72,7 +73,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 @dataclass(slots=True)
 class StepKV:
-    """Worker-side KV-connector work for one step (what a ``layer_hook_factory`` returns).
+    """Worker-side KV-connector work for one step (what ``KVConnectorHooks.build_step`` returns).
 
     layer_hook: rank 0, called with layer l once every rank stored (and packed) layer
         l's K/V: right after the store at TP=1; at TP>1 when layer l+1 starts (the
@@ -83,6 +84,18 @@ class StepKV:
 
     layer_hook: Callable[[int], None] | None = None
     kv_packs: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+class KVConnectorHooks(Protocol):
+    """What the engine calls on a KV connector (``epd.transfer.kv_connector``; see
+    docs/architecture.md, "KV connector"). Source: vLLM v1 ``KVConnectorBase_V1``."""
+
+    def build_step(self, sched: SchedulerOutput) -> StepKV | None:
+        """This step's per-layer hook and staging packs (None: no KV to move)."""
+
+    def request_finished(self, seq) -> bool:
+        """``seq`` just finished; True keeps its blocks (the connector frees them
+        once its KV is sent or the send failed)."""
 
 
 _CODEC_ENCODER = msgspec.msgpack.Encoder()

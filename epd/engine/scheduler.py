@@ -55,11 +55,40 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Sequences in WAITING_FOR_REMOTE_KV, by request id: blocks allocated, prompt KV
+        # being written by another instance (see ``add_remote`` / ``remote_kv_ready``).
+        self.waiting_for_remote_kv: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def add_remote(self, seq: Sequence) -> bool:
+        """Allocate blocks for ``seq``'s whole prompt, whose KV another instance will
+        write, and park it in ``WAITING_FOR_REMOTE_KV``. Returns False (nothing
+        changed) when the batch is full, sequences are queued, or blocks are short."""
+        if len(self.running) + len(self.waiting_for_remote_kv) >= self.max_num_seqs:
+            return False
+        if self.waiting or not self.block_manager.allocate_slots(seq, seq.num_tokens):
+            return False
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_remote_kv[seq.request_id] = seq
+        return True
+
+    def remote_kv_ready(self, request_id: str) -> Sequence:
+        """The prompt KV of a ``WAITING_FOR_REMOTE_KV`` sequence is in its blocks: it
+        joins the running batch (its full blocks enter the prefix cache).
+
+        Raises:
+            KeyError: no such sequence waits for remote KV.
+        """
+        seq = self.waiting_for_remote_kv.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.block_manager.cache_full_blocks(seq)
+        self.running.append(seq)
+        return seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -140,6 +169,8 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+            self.waiting_for_remote_kv.pop(seq.request_id, None)
         else:
             try:
                 self.waiting.remove(seq)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from epd.errors import InvalidRequestError
 from epd.messages import GenerateRequest, Message, RequestFailed
+from epd.roles import Role
 from epd.transfer.nixl_transport import TransferError
 from epd.workers.engine_worker import EngineWorker
 
@@ -11,7 +12,7 @@ from epd.workers.engine_worker import EngineWorker
 class AggregatedWorker(EngineWorker):
     """GenerateRequest -> (embeddings read from the encode worker) -> TokenOutput per token."""
 
-    role = "pd"
+    role = Role.PD
 
     def __init__(self, args) -> None:
         super().__init__(args)
@@ -24,8 +25,8 @@ class AggregatedWorker(EngineWorker):
             embeddings = self.fetch_embeddings(msg.request_id, msg.encode_instance, list(msg.embeddings))
             kw = {}
             if msg.placeholders:
-                kw = {"mm_placeholders": self.placeholders(list(msg.placeholders)), "mm_embeddings": embeddings}
-            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params.to_params(), **kw)
+                kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}
+            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params, **kw)
         except (InvalidRequestError, ValueError, KeyError, TransferError) as e:
             self.send(RequestFailed(msg.request_id, self.instance_id, str(e), retryable=isinstance(e, TransferError)))
 

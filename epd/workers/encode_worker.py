@@ -9,10 +9,10 @@ import torch
 from transformers import AutoConfig
 
 from epd.encoders.encoder_runner import EncoderRunner
-from epd.encoders.processor import MediaItem
 from epd.messages import (EmbeddingRef, EncodeDone, EncodeRequest, Message, MessageError, ReleaseEmbeddings,
                           RequestFailed, decode)
 from epd.model_files import resolve_model
+from epd.roles import Role
 from epd.workers.base import BaseWorker
 from epd.workers.embedding_buffer import BufferFullError, EmbeddingBuffer
 
@@ -27,7 +27,7 @@ class EncodeWorker(BaseWorker):
     with their regions (or transcripts, for text-only LMs). The prefill worker
     reads them and notifies ``ReleaseEmbeddings``; Abort and a TTL free them too."""
 
-    role = "encode"
+    role = Role.ENCODE
 
     def __init__(self, args) -> None:
         super().__init__(args)
@@ -45,8 +45,7 @@ class EncodeWorker(BaseWorker):
         t0 = time.monotonic()
         rid = msg.request_id
         try:
-            items = [MediaItem(it.modality, it.item_hash, {k: b.to_tensor() for k, b in it.tensors.items()},
-                               it.num_tokens) for it in msg.items]
+            items = list(msg.items)  # tensors already checked on decode (epd.messages)
             if any("audio" in it.data for it in items):
                 self.send(EncodeDone(rid, self.instance_id, transcripts=self.runner.transcribe(items),
                                      encode_s=time.monotonic() - t0))
@@ -65,7 +64,7 @@ class EncodeWorker(BaseWorker):
             self.buffer.free(rid)
             self.send(RequestFailed(rid, self.instance_id, str(e), retryable=True))
             return
-        except (MessageError, ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError) as e:
             self.buffer.free(rid)
             self.send(RequestFailed(rid, self.instance_id, f"encode failed: {e}"))
             return

@@ -9,15 +9,14 @@ import torch
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
-from epd.messages import (EmbeddingRef, KVLayout, Placeholder, ReleaseEmbeddings, TensorBlob, TokenLogprob,
+from epd.messages import (EmbeddingRef, ReleaseEmbeddings, TensorBlob, TokenLogprob,
                           TokenOutput, encode)
 from epd.messages import Heartbeat, KVEvents
 from epd.model_files import resolve_model
-from epd.sequence import MultiModalPlaceholder
+from epd.roles import Role
+from epd.transfer.kv_connector import kv_layout
 from epd.workers.base import BaseWorker, WorkerArgs
 from epd.workers.embedding_buffer import EmbeddingBuffer
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class EngineWorker(BaseWorker):
@@ -39,18 +38,10 @@ class EngineWorker(BaseWorker):
         if self.staging is not None:
             tensors.append(self.staging.buffer)  # rank 0's agent registers every rank's staging part
         regions = self.transport.register(tensors)
-        self.kv_layout = KVLayout(
-            num_layers=runner.k_cache.shape[0], num_blocks=runner.num_blocks, block_size=config.block_size,
-            num_kv_heads=runner.k_cache.shape[3], head_dim=runner.k_cache.shape[4],
-            dtype=_DTYPE_NAMES[config.torch_dtype],
-            k_regions=[(runner.k_cache[i].data_ptr(), runner.k_cache[i].nbytes, 0) for i in range(runner.k_cache.shape[0])],
-            v_regions=[(runner.v_cache[i].data_ptr(), runner.v_cache[i].nbytes, 0) for i in range(runner.v_cache.shape[0])],
-            tp=args.tp, staging_regions=self.staging.layer_regions() if self.staging is not None else [],
-            staging_block_bytes=self.staging.region(0, 0, 1)[1] if self.staging is not None else 0)
+        self.kv_layout = kv_layout(runner.k_cache, runner.v_cache, config.block_size, args.tp, self.staging)
         self.regions = regions
-        self.block_bytes = self.kv_layout.block_bytes
         # Prefill / aggregated instances report their prefix cache for KV-aware routing.
-        if self.role in ("prefill", "pd") and args.rank == 0:
+        if self.role in (Role.PREFILL, Role.PD) and args.rank == 0:
             self.engine.block_manager.enable_kv_events()
 
     @staticmethod
@@ -122,10 +113,6 @@ class EngineWorker(BaseWorker):
             lps = [TokenLogprob.from_output(comp.logprobs[-1])] if comp.logprobs and comp.token_ids else []
             self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,
                                   out.num_cached_tokens, lps))
-
-    @staticmethod
-    def placeholders(ph: list[Placeholder]) -> list[MultiModalPlaceholder]:
-        return [MultiModalPlaceholder(p.offset, p.length, p.item_hash) for p in ph]
 
     def stats(self) -> dict[str, float]:
         s = self.engine.stats()

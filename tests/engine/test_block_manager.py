@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from epd.engine.block_manager import BlockManager, hash_block
+from epd.multimodal import Placeholder
 from epd.sampling_params import SamplingParams
-from epd.sequence import MultiModalPlaceholder, Sequence
+from epd.sequence import Sequence
 
 BS = 4
 _TAKES_EMBEDDINGS = "mm_embeddings" in inspect.signature(Sequence.__init__).parameters
@@ -84,8 +85,8 @@ def test_media_extra_keys_change_exactly_overlapped_and_later_blocks():
     bm = BlockManager(8, BS)
     tokens = [7] * 20  # same placeholder token everywhere: only item hashes differ
     # Span [5, 7) lies in block 1 only.
-    img_a = make_seq(tokens, [MultiModalPlaceholder(5, 2, "aa" * 32)])
-    img_b = make_seq(tokens, [MultiModalPlaceholder(5, 2, "bb" * 32)])
+    img_a = make_seq(tokens, [Placeholder(5, 2, "aa" * 32)])
+    img_b = make_seq(tokens, [Placeholder(5, 2, "bb" * 32)])
     plain = make_seq(tokens)
     ha, hb, hp = (bm.block_hashes(s, 5) for s in (img_a, img_b, plain))
     assert ha[0] == hb[0] == hp[0]
@@ -95,12 +96,12 @@ def test_media_extra_keys_change_exactly_overlapped_and_later_blocks():
     assert [img_a.block_extra_keys(i, BS) for i in range(5)] == [(), ("aa" * 32,), (), (), ()]
 
     # Span [3, 9) overlaps blocks 0, 1 and 2 (half-open ends: block 2 starts at 8).
-    wide = make_seq(tokens, [MultiModalPlaceholder(3, 6, "cc")])
+    wide = make_seq(tokens, [Placeholder(3, 6, "cc")])
     assert [wide.block_extra_keys(i, BS) for i in range(5)] == [("cc",), ("cc",), ("cc",), (), ()]
     hw = bm.block_hashes(wide, 5)
     assert all(x != y for x, y in zip(hw, hp))
     # Span [4, 8) is exactly block 1: blocks 0 and 2 do not carry it.
-    exact = make_seq(tokens, [MultiModalPlaceholder(4, 4, "dd")])
+    exact = make_seq(tokens, [Placeholder(4, 4, "dd")])
     assert [exact.block_extra_keys(i, BS) for i in range(3)] == [(), ("dd",), ()]
     assert bm.block_hashes(exact, 1) == hp[:1]
 
@@ -108,11 +109,11 @@ def test_media_extra_keys_change_exactly_overlapped_and_later_blocks():
 def test_different_image_gets_no_prefix_hit_past_the_image():
     bm = BlockManager(16, BS)
     tokens = [3] * 16
-    a = make_seq(tokens, [MultiModalPlaceholder(6, 4, "aa")])  # blocks 1, 2
+    a = make_seq(tokens, [Placeholder(6, 4, "aa")])  # blocks 1, 2
     compute_and_cache(bm, a)
-    b = make_seq(tokens + [1], [MultiModalPlaceholder(6, 4, "bb")])
+    b = make_seq(tokens + [1], [Placeholder(6, 4, "bb")])
     assert bm.get_computed_blocks(b) == a.block_table[:1]
-    same = make_seq(tokens + [1], [MultiModalPlaceholder(6, 4, "aa")])
+    same = make_seq(tokens + [1], [Placeholder(6, 4, "aa")])
     assert bm.get_computed_blocks(same) == a.block_table[:4]
 
 

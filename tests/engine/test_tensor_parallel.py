@@ -8,6 +8,7 @@ import pytest
 
 from epd import LLM, SamplingParams
 from epd.config import ConfigError
+from epd.engine.model_runner import StepKV
 
 
 @pytest.mark.slow
@@ -65,14 +66,19 @@ def test_shutdown_after_interrupted_step_leaves_no_rank(tiny_model_dirs):
     engine = llm.engine
     engine.add_request("r", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8))
 
-    def boom(_sched):
-        def hook(layer):
-            if layer == 1:
-                raise RuntimeError("interrupted")
-        return hook
+    class Boom:  # a KV connector whose per-layer hook fails mid-forward
+        def build_step(self, _sched):
+            def hook(layer):
+                if layer == 1:
+                    raise RuntimeError("interrupted")
+            return StepKV(hook)
 
+        def request_finished(self, _seq):
+            return False
+
+    engine.kv_connector = Boom()
     with pytest.raises(RuntimeError, match="interrupted"):
-        engine.step(layer_hook_factory=boom)
+        engine.step()
     procs = list(engine._procs)
     llm.shutdown()
     assert procs and not any(p.is_alive() for p in procs)

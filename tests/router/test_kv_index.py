@@ -13,10 +13,11 @@ import random
 import pytest
 
 from epd.engine.block_manager import BlockManager
-from epd.messages import KVEvents, Placeholder
+from epd.messages import KVEvents
+from epd.multimodal import Placeholder
 from epd.router.kv_index import KVIndex, request_block_hashes
 from epd.sampling_params import SamplingParams
-from epd.sequence import MultiModalPlaceholder, Sequence
+from epd.sequence import Sequence
 
 BS = 4
 PID = 4242
@@ -52,7 +53,7 @@ def overlap(index: KVIndex, tokens, inst: str = "prefill-0", placeholders=()) ->
 
 def test_router_hashes_equal_engine_hashes_including_media_items():
     tokens = list(range(30))
-    mm = [MultiModalPlaceholder(5, 6, "aa" * 32)]
+    mm = [Placeholder(5, 6, "aa" * 32)]
     engine = BlockManager(16, BS).block_hashes(seq(tokens, mm), (len(tokens) - 1) // BS)
     wire = [Placeholder(5, 6, "aa" * 32)]  # what the router holds
     assert request_block_hashes(tokens, BS, wire) == engine

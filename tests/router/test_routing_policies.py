@@ -14,7 +14,8 @@ import time
 import pytest
 
 from epd.engine.block_manager import BlockManager
-from epd.messages import Heartbeat, KVEvents, KVLayout, Placeholder, WireSamplingParams, WorkerReady
+from epd.messages import Heartbeat, KVEvents, KVLayout, WorkerReady
+from epd.multimodal import Placeholder
 from epd.router.kv_index import KVIndex, request_block_hashes
 from epd.router.policies import (POLICIES, FreeKVDecode, KVAwarePrefill, LeastLoaded, MediaAffinity,
                                  NoInstanceError, RoundRobin, build_policy)
@@ -44,7 +45,7 @@ def worker(inst: str, role: str = "prefill", *, inflight: int = 0, running: int 
 
 
 def request(tokens, items=()) -> RouterRequest:
-    return RouterRequest("r", list(tokens), WireSamplingParams(), list(items))
+    return RouterRequest("r", list(tokens), SamplingParams(), list(items))
 
 
 class Item:
@@ -163,8 +164,8 @@ def test_kv_policy_hashes_media_items_like_the_engine():
     ph_a = [Placeholder(8, 8, "a" * 64)]
     chain = request_block_hashes(tokens, BS, ph_a)
     index.apply(KVEvents("prefill-1", p1.info.pid, chain), p1.info.pid)
-    same_image = RouterRequest("r", tokens, WireSamplingParams(), [], ph_a)
-    other_image = RouterRequest("r", tokens, WireSamplingParams(), [], [Placeholder(8, 8, "b" * 64)])
+    same_image = RouterRequest("r", tokens, SamplingParams(), [], ph_a)
+    other_image = RouterRequest("r", tokens, SamplingParams(), [], [Placeholder(8, 8, "b" * 64)])
     assert kv.costs([p1], same_image)["prefill-1"][2] == len(chain)
     assert kv.costs([p1], other_image)["prefill-1"][2] == 2  # only the blocks before the image match
 

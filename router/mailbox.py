@@ -1,0 +1,178 @@
+"""The router's inbox: one PULL socket every worker reports to, and watched waits on it.
+
+Every worker message arrives on one socket. Control messages (ready,
+heartbeats, KV cache events, stats answers) go to the handler registered for
+their type; a message about a request (any other, it carries ``request_id``)
+goes to that request's queue, opened by ``open`` for each attempt's wire id.
+A message for a wire id with no open queue (a late reply of an abandoned
+attempt) is dropped.
+
+``expect`` waits for a request's next message with a deadline, and while it
+waits watches the workers the stage depends on: one that misses heartbeats for
+``heartbeat_timeout_s`` (or that the launcher reports dead) fails the wait at
+once (``kind="dead"``), within ``liveness_poll_s``, instead of at its deadline.
+A background watch loop logs and counts each worker the moment it is found
+dead, whether or not a request waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from epd.messages import MessageError, RequestFailed, TokenOutput, decode
+from epd.router.registry import PoolRegistry, WorkerHandle
+from epd.router.request import RequestError
+
+logger = logging.getLogger(__name__)
+
+
+class Mailbox:
+    """Binds a PULL socket on ``host:port`` (0: a free port); ``endpoint`` is its address.
+
+    Args:
+        ctx: the router's ZeroMQ context.
+        registry: the pools; messages refresh their senders' liveness.
+        handlers: message type -> callable, for the control messages.
+        count: ``count(metric, pool, instance)`` increments a counter of ``epd.metrics``.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, registry: PoolRegistry,
+                 handlers: dict[type, Callable], count: Callable[[str, str, str], None]) -> None:
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 100000)
+        if port:
+            self.pull.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.pull.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self.registry = registry
+        self.handlers = handlers
+        self._count = count
+        self.liveness_poll_s = min(0.25, registry.heartbeat_timeout_s / 4)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._dead_seen: set[int] = set()  # id() of handles already counted as failed
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_loop())]
+
+    async def stop(self) -> None:
+        """Stop both loops and close the socket."""
+        for task in self._tasks:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self.pull.close(0)
+
+    async def _watch_loop(self) -> None:
+        """Log and count each worker the moment it is found dead (silent past the
+        heartbeat timeout, or reported by the launcher)."""
+        while True:
+            await asyncio.sleep(self.liveness_poll_s)
+            try:
+                for w in list(self.registry.workers.values()):
+                    if id(w) not in self._dead_seen and not self.registry.is_alive(w):
+                        self._dead_seen.add(id(w))
+                        logger.warning("%s worker %s is dead (no heartbeat for %.1f s)", w.role, w.instance_id,
+                                       self.registry.heartbeat_timeout_s)
+                        self._count("worker_failures", w.role, w.instance_id)
+            except Exception:  # never let bookkeeping stop the watcher
+                logger.exception("router watch loop")
+
+    # ---- inbound ------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            data = await self.pull.recv()
+            try:
+                msg = decode(data)
+            except MessageError as e:
+                logger.warning("router dropped a malformed message: %s", e)
+                continue
+            try:
+                self.dispatch(msg)
+            except Exception:  # a bug handling one message must not stop routing
+                logger.exception("router failed to handle %s", type(msg).__name__)
+
+    def dispatch(self, msg) -> None:
+        """Hand one decoded message to its type's handler or its request's queue."""
+        handler = self.handlers.get(type(msg))
+        if handler is not None:
+            handler(msg)
+            return
+        rid = getattr(msg, "request_id", None)
+        inst = getattr(msg, "instance_id", None)
+        if inst:
+            self.registry.seen(inst)
+        q = self.queues.get(rid)
+        if q is not None:
+            q.put_nowait(msg)
+
+    # ---- per-request queues -----------------------------------------------------------
+    def open(self, rid: str) -> None:
+        """Start collecting the messages for wire id ``rid``."""
+        self.queues[rid] = asyncio.Queue()
+
+    def close(self, rid: str) -> None:
+        """Stop collecting them: later messages for ``rid`` are dropped."""
+        self.queues.pop(rid, None)
+
+    def requeue_front(self, rid: str, msg) -> None:
+        """Put ``msg`` back at the head of ``rid``'s queue."""
+        q = self.queues[rid]
+        items = [msg]
+        while not q.empty():
+            items.append(q.get_nowait())
+        for it in items:
+            q.put_nowait(it)
+
+    async def expect(self, rid: str, types: tuple, timeout_s: float, stage: str, stash: list | None = None,
+                     watch: tuple[WorkerHandle, ...] = ()):
+        """Next message of ``types`` for ``rid``. With ``stash``, TokenOutputs that
+        overtake it (D may stream before P's PrefillDone arrives) are kept there.
+
+        Raises RequestError: a worker's RequestFailed; the deadline passed
+        (``kind="timeout"``); or a worker in ``watch`` died (``kind="dead"``,
+        noticed within ``liveness_poll_s`` of its heartbeat timeout).
+        """
+        q = self.queues[rid]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                who = watch[0].instance_id if watch else None
+                raise RequestError(f"{stage} timed out after {timeout_s:.0f} s" + (f" on {who}" if who else ""),
+                                   status=504, retryable=True, instance=who, kind="timeout")
+            try:
+                msg = await asyncio.wait_for(q.get(), min(remaining, self.liveness_poll_s) if watch else remaining)
+            except asyncio.TimeoutError:
+                self._check_alive(watch, stage)
+                continue
+            if stash is not None and isinstance(msg, TokenOutput):
+                stash.append(msg)
+                continue
+            break
+        if isinstance(msg, RequestFailed):
+            raise RequestError(f"{stage} failed on {msg.instance_id}: {msg.error}",
+                               status=503 if msg.retryable else 400, retryable=msg.retryable,
+                               instance=msg.instance_id, kind=msg.kind)
+        if not isinstance(msg, types):
+            raise RequestError(f"unexpected {type(msg).__name__} during {stage}")
+        return msg
+
+    def _check_alive(self, watch: tuple[WorkerHandle, ...], stage: str) -> None:
+        """Raise RequestError (``kind="dead"``) for the first dead worker in ``watch``."""
+        for w in watch:
+            if not self.registry.is_alive(w):
+                raise RequestError(
+                    f"{stage}: {w.role} worker {w.instance_id} died (no heartbeat for "
+                    f"{self.registry.heartbeat_timeout_s:.1f} s)", status=503, retryable=True,
+                    instance=w.instance_id, kind="dead") from None

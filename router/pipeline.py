@@ -1,0 +1,206 @@
+"""The stages one attempt of a request goes through, over the E, P and D pools.
+
+An attempt runs under its own wire request id (see ``epd.router.recovery``):
+``begin`` opens its queue in the mailbox, ``end`` aborts it on every worker it
+touched (when it did not finish) and forgets it. Its stages:
+
+- **encode** (requests with media items, and transcriptions): one encode
+  worker turns the items into embeddings (or transcripts), kept there for the
+  prefill side to pull over NIXL.
+- **disaggregated** (prefill and decode pools): ``ReserveKV`` on a decode
+  worker, then ``PrefillRequest`` on a prefill worker, which computes the
+  prompt and writes its KV straight into the reserved blocks; ``PrefillDone``
+  carries the first token, and the decode worker streams the rest (its first
+  tokens may overtake ``PrefillDone``: they are stashed and put back in order).
+- **aggregated** (a ``pd`` pool): ``GenerateRequest`` on one engine that
+  prefills and decodes; the same path serves a decode worker recomputing a
+  prompt whose KV transfer failed (``role="decode"``).
+
+Every wait has a deadline and watches the workers the stage depends on (the
+mailbox's ``expect``). Each stage moves the request's ``RequestState`` (the
+states are defined in ``epd.router.request``). Each pick goes through the
+pool's routing policy (``epd.router.policies``) and is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from epd.messages import (Abort, EmbeddingRef, EncodeDone, EncodeRequest, GenerateRequest, KVReserved, PrefillDone,
+                          PrefillRequest, ReserveKV, TokenOutput)
+from epd.roles import Role
+from epd.router.mailbox import Mailbox
+from epd.router.policies import NoInstanceError, RoutingPolicy
+from epd.router.registry import PoolRegistry, WorkerHandle
+from epd.router.request import RequestError, RequestState, RequestStates, RouterRequest, TokenEvent
+
+PREFILL_STATS = ("kv_bytes", "kv_transfer_s", "kv_exposed_s", "kv_write_s", "prefill_s", "queue_s",
+                 "num_transfer_requests")
+
+
+class Pipeline:
+    """Runs attempts through the pools.
+
+    ``touched``: wire id -> instances the attempt was sent to (they get ``Abort``);
+    ``owner``: wire id -> the client request id its state is kept under.
+    """
+
+    def __init__(self, registry: PoolRegistry, mailbox: Mailbox, policies: dict[str, RoutingPolicy],
+                 states: RequestStates, metrics: Callable[[], object], *, stage_timeout_s: float,
+                 token_timeout_s: float) -> None:
+        self.registry = registry
+        self.mailbox = mailbox
+        self.policies = policies
+        self.states = states
+        self._metrics = metrics
+        self.stage_timeout_s = stage_timeout_s
+        self.token_timeout_s = token_timeout_s
+        self.touched: dict[str, set[str]] = {}
+        self.owner: dict[str, str] = {}
+
+    # ---- attempts -------------------------------------------------------------------
+    def begin(self, wire: str, request_id: str) -> None:
+        """Open attempt ``wire`` of client request ``request_id``."""
+        self.mailbox.open(wire)
+        self.touched[wire] = set()
+        self.owner[wire] = request_id
+
+    def end(self, wire: str, abort: bool) -> None:
+        """Close attempt ``wire``; with ``abort``, send ``Abort`` to every worker it touched."""
+        if abort:
+            self.abort_everywhere(wire)
+        self.mailbox.close(wire)
+        self.touched.pop(wire, None)
+        self.owner.pop(wire, None)
+
+    def abort_everywhere(self, rid: str) -> None:
+        for inst in self.touched.get(rid, ()):
+            w = self.registry.get(inst)
+            if w is not None:
+                w.try_send(Abort(rid))
+
+    def _enter(self, rid: str, state: RequestState) -> None:
+        self.states.enter(self.owner.get(rid, rid), state)
+
+    def pick(self, role: str, req: RouterRequest | None = None,
+             avoid: set[str] | frozenset = frozenset()) -> WorkerHandle:
+        """A live instance of ``role`` for ``req``, preferring instances not in ``avoid``
+        (those that already failed this request). Raises RequestError (503) when the
+        pool has no live instance."""
+        alive = self.registry.alive(role)
+        candidates = [w for w in alive if w.instance_id not in avoid] or alive
+        policy = self.policies[role]
+        try:
+            w = policy.select(candidates, req)
+        except NoInstanceError:
+            raise RequestError(f"no live {role} instance: the {role} pool is down", status=503) from None
+        self._metrics().routing_decisions.labels(pool=role, instance=w.instance_id, policy=policy.name).inc()
+        return w
+
+    def _touch(self, rid: str, role: str, req: RouterRequest, avoid) -> WorkerHandle:
+        """``pick`` a ``role`` instance for attempt ``rid`` and remember it was touched."""
+        w = self.pick(role, req, avoid)
+        self.touched[rid].add(w.instance_id)
+        return w
+
+    async def run(self, req: RouterRequest, avoid: set[str], recompute: bool) -> AsyncIterator[TokenEvent]:
+        """One attempt of ``req`` (its wire id is ``req.request_id``): encode, then the
+        aggregated or disaggregated path; ``recompute``: the decode worker prefills."""
+        e_id, refs, _ = await self.encode(req, avoid)
+        placeholders = list(req.placeholders)
+        if recompute:
+            gen = self.generate_aggregated(req, None, [], [], avoid, role=Role.DECODE)
+        elif self.registry.has_pool(Role.PD):
+            gen = self.generate_aggregated(req, e_id, refs, placeholders, avoid)
+        else:
+            gen = self.generate_disaggregated(req, e_id, refs, placeholders, avoid)
+        async for ev in gen:
+            yield ev
+
+    # ---- stages ---------------------------------------------------------------------
+    async def encode(self, req: RouterRequest, avoid: set[str] | frozenset = frozenset()
+                     ) -> tuple[str | None, list[EmbeddingRef], list[str]]:
+        """The encode stage: (encode instance, embedding refs, transcripts); nothing to
+        do for a request without media items."""
+        if not req.items:
+            return None, [], []
+        rid = req.request_id
+        self._enter(rid, RequestState.ENCODE)
+        e = self._touch(rid, Role.ENCODE, req, avoid)
+        e.inflight += 1
+        try:
+            e.send(EncodeRequest(rid, list(req.items)))
+            done = await self.mailbox.expect(rid, (EncodeDone,), self.stage_timeout_s, "encode", watch=(e,))
+        finally:
+            e.inflight -= 1
+        return e.instance_id, list(done.embeddings), list(done.transcripts)
+
+    async def generate_aggregated(self, req, e_id, refs, placeholders, avoid=frozenset(),
+                                  role: Role = Role.PD) -> AsyncIterator[TokenEvent]:
+        """The whole request on one engine: a ``pd`` worker, or (``role="decode"``)
+        a decode worker recomputing a prompt whose KV transfer failed."""
+        rid = req.request_id
+        w = self._touch(rid, role, req, avoid)
+        self._enter(rid, RequestState.PREFILL)
+        w.inflight += 1
+        try:
+            w.send(GenerateRequest(rid, req.prompt_token_ids, req.params, placeholders, e_id, refs))
+            async for ev in self.stream(rid, first_timeout_s=self.stage_timeout_s, watch=(w,)):
+                yield ev
+        finally:
+            w.inflight -= 1
+
+    async def generate_disaggregated(self, req, e_id, refs, placeholders, avoid=frozenset()
+                                     ) -> AsyncIterator[TokenEvent]:
+        """Reserve KV on a decode worker, prefill into it, stream from it."""
+        rid = req.request_id
+        d = self._touch(rid, Role.DECODE, req, avoid)
+        d.inflight += 1
+        try:
+            self._enter(rid, RequestState.PREFILL)
+            d.send(ReserveKV(rid, req.prompt_token_ids, req.params))
+            reserved = await self.mailbox.expect(rid, (KVReserved,), self.stage_timeout_s, "KV reservation",
+                                                 watch=(d,))
+            done, early = await self._prefill(req, d, reserved, e_id, refs, placeholders, avoid)
+            self._enter(rid, RequestState.TRANSFER)
+            for msg in reversed(early):  # put the overtaking tokens back in front, in order
+                self.mailbox.requeue_front(rid, msg)
+            stats = {k: getattr(done, k) for k in PREFILL_STATS}
+            yield TokenEvent([done.first_token], False, None, done.num_cached_tokens, stats,
+                             [done.first_logprob] if done.first_logprob is not None else [])
+            async for ev in self.stream(rid, first_timeout_s=self.token_timeout_s,
+                                        num_cached_tokens=done.num_cached_tokens, watch=(d,)):
+                yield ev
+        finally:
+            d.inflight -= 1
+
+    async def _prefill(self, req, d: WorkerHandle, reserved: KVReserved, e_id, refs, placeholders, avoid
+                       ) -> tuple[PrefillDone, list[TokenOutput]]:
+        """Prefill ``req`` on a prefill worker into ``d``'s reserved blocks: its
+        PrefillDone, and the decode worker's tokens that overtook it."""
+        rid = req.request_id
+        p = self._touch(rid, Role.PREFILL, req, avoid)
+        p.inflight += 1
+        try:
+            p.send(PrefillRequest(rid, req.prompt_token_ids, req.params, d.instance_id,
+                                  list(reserved.block_ids), placeholders, e_id, refs,
+                                  decode_staging_block=reserved.staging_block))
+            early: list[TokenOutput] = []
+            done = await self.mailbox.expect(rid, (PrefillDone,), self.stage_timeout_s, "prefill", stash=early,
+                                             watch=(p, d))
+        finally:
+            p.inflight -= 1
+        return done, early
+
+    async def stream(self, rid: str, first_timeout_s: float, num_cached_tokens: int = 0,
+                     watch: tuple[WorkerHandle, ...] = ()) -> AsyncIterator[TokenEvent]:
+        """The decode stage: ``rid``'s tokens as they come, until the finished one."""
+        timeout = first_timeout_s
+        while True:
+            msg = await self.mailbox.expect(rid, (TokenOutput,), timeout, "decode", watch=watch)
+            timeout = self.token_timeout_s
+            self._enter(rid, RequestState.DECODE)
+            yield TokenEvent(list(msg.token_ids), msg.finished, msg.finish_reason,
+                             msg.num_cached_tokens or num_cached_tokens, None, list(msg.logprobs))
+            if msg.finished:
+                return
