@@ -247,6 +247,11 @@ def _add_api_args(api, d: LaunchConfig) -> None:
                      help="seconds one media URL fetch may take, redirects included (default: %(default)s)")
     api.add_argument("--max-media-mb", type=float, default=d.max_media_mb,
                      help="largest fetched media body in MiB (default: %(default)s)")
+    api.add_argument("--max-realtime-sessions", type=_positive_int, default=d.max_realtime_sessions,
+                     help="/v1/realtime sessions open at once; more are closed with code 1013 (default: %(default)s)")
+    api.add_argument("--allowed-origins", default=d.allowed_origins,
+                     help="comma-separated browser origins (scheme://host[:port], or *) allowed to open /v1/realtime; "
+                          "other Origin headers get 403, clients sending none pass (default: none)")
 
 
 def _add_worker_parser(sub) -> None:

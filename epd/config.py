@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,12 +59,14 @@ class EngineConfig:
     seed: int = 0
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
+    _lm_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
             raise ConfigError(f"model directory {self.model!r} does not exist")
         if self.hf_config is None:
             self.hf_config = AutoConfig.from_pretrained(self.model)
+        self._lm_config = _lm_config(self.hf_config)
         cfg = self.text_config
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,8 +107,11 @@ class EngineConfig:
 
     @property
     def text_config(self) -> PretrainedConfig:
-        """The LM's config (the ``text_config`` of a multimodal checkpoint)."""
-        return self.hf_config.get_text_config()
+        """The LM's config (the ``text_config`` of a multimodal checkpoint), whose
+        ``tie_word_embeddings`` is what transformers does with the whole checkpoint
+        (``epd.models.ties_word_embeddings``): the LM classes and the weight loader
+        read the flag from here."""
+        return self._lm_config
 
     @property
     def num_kv_heads(self) -> int:
@@ -132,3 +138,19 @@ class EngineConfig:
         # More than max_num_seqs full-length sequences can never be resident at once.
         useful = self.max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(by_memory, useful))
+
+
+def _lm_config(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """``hf_config``'s LM config with ``tie_word_embeddings`` resolved for the whole
+    checkpoint; a copy when that differs from the text config's own flag (a small
+    Qwen2 LM's ``true`` inside Qwen2-Audio, whose class keeps a separate ``lm_head``),
+    so ``hf_config`` itself, which the towers and processors also use, is unchanged."""
+    from epd.models import ties_word_embeddings
+
+    text = hf_config.get_text_config()
+    tied = ties_word_embeddings(hf_config)
+    if bool(getattr(text, "tie_word_embeddings", False)) == tied:
+        return text
+    text = copy.deepcopy(text)
+    text.tie_word_embeddings = tied
+    return text

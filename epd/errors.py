@@ -11,3 +11,23 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class CapacityError(RuntimeError):
+    """No room for the request right now (a full buffer or pool); another instance, or
+    the same one a moment later, may have room: HTTP 503 with ``Retry-After``."""
+
+
+class InternalError(RuntimeError):
+    """epd's own fault (a worker's state or configuration), not the request's: HTTP 500."""
+
+
+def error_status(exc: BaseException) -> int:
+    """The HTTP status a failure maps to, by who failed: 400 the client's request
+    (``InvalidRequestError`` and other ``ValueError``s from validation), 503 capacity
+    (``CapacityError``), 500 anything else (epd's fault)."""
+    if isinstance(exc, CapacityError):
+        return 503
+    if isinstance(exc, ValueError):
+        return 400
+    return 500

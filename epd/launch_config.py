@@ -78,6 +78,8 @@ class LaunchConfig:
     allowed_media_domains: str = ""  # comma-separated
     media_fetch_timeout: float = 10.0
     max_media_mb: float = 20.0
+    max_realtime_sessions: int = 64
+    allowed_origins: str = ""  # comma-separated; none: browsers (which send Origin) are refused on /v1/realtime
     # KV staging when prefill or decode is tensor-parallel
     kv_staging_mb: int = 256
 
@@ -93,7 +95,7 @@ class LaunchConfig:
                                   f"got {self.kv_failure_policy!r}")
         if not self.kv_overlap_weight >= 0:  # also rejects nan
             raise LaunchSpecError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
-        for name in ("threads_per_worker", "max_pending_requests", "max_n", "kv_staging_mb"):
+        for name in ("threads_per_worker", "max_pending_requests", "max_n", "kv_staging_mb", "max_realtime_sessions"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise LaunchSpecError(f"{name} must be >= 1, got {value}")

@@ -14,12 +14,12 @@ device id) that the receiver validates against what the peer advertised.
 
 Flow (see docs/architecture.md, "Wire messages"):
   router -> E: EncodeRequest            E -> router: EncodeDone
-  router -> D: ReserveKV (prompt, params) D -> router: KVReserved
-  router -> P: PrefillRequest           P -> router: PrefillDone ; P -> D (NIXL notif): KVReady
+  router -> D: ReserveKV (prompt, params, placeholders) D -> router: KVReserved
+  router -> P: PrefillRequest           P -> router: PrefillDone ; P -> D (NIXL notif): KVReady or KVWriterDone
   router -> PD: GenerateRequest (aggregated pool)
   D/PD -> router: TokenOutput (stream)  any -> router: WorkerReady, Heartbeat, RequestFailed
   P/PD -> router: KVEvents (prefix-cache changes, for KV-aware routing)
-  router -> any: Abort, Shutdown
+  router -> any: Abort, PeerGone, Shutdown
 """
 
 from __future__ import annotations
@@ -134,11 +134,21 @@ class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    """Any worker -> router: alive, and its load (sequences, KV blocks).
+
+    ``seq``: the load report's number in its process (1, 2, ... in the order the
+    worker loop made them; the heartbeat thread repeats the latest under its
+    number; 0: not numbered). The router keeps the highest-numbered report, and
+    a decode worker's report numbered above the last one the router had when a
+    ``KVReserved`` arrived includes that reservation (``epd.router.policies``).
+    """
+
     instance_id: str
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_blocks: int
+    seq: int = 0
 
 
 class KVEvents(msgspec.Struct, tag="kv_events", frozen=True):
@@ -165,6 +175,7 @@ class PeerInfo(msgspec.Struct, tag="peer", frozen=True):
     nixl_metadata: bytes
     regions: list[Region]
     kv_layout: KVLayout | None = None
+    pid: int = 0  # the peer's process (its incarnation)
 
 
 # ---- encode -------------------------------------------------------------------
@@ -193,21 +204,30 @@ class EncodeDone(msgspec.Struct, tag="encode_done", frozen=True):
 
 # ---- prefill / decode -----------------------------------------------------------
 class ReserveKV(msgspec.Struct, tag="reserve", frozen=True):
-    """Router -> D: reserve blocks for the prompt's KV, and remember the request."""
+    """Router -> D: reserve blocks for the prompt's KV, and remember the request.
+
+    ``placeholders``: the prompt's media spans (as in ``PrefillRequest``); their item
+    hashes enter the decode side's block hashes, so after a preemption the sequence
+    can only hit its own media KV in the prefix cache."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    placeholders: list[Placeholder] = []
 
 
 class KVReserved(msgspec.Struct, tag="reserved", frozen=True):
     """D -> router. ``staging_block``: first block of the staging range reserved for
-    the prompt's KV (-1: none; the prefill worker writes block to block)."""
+    the prompt's KV (-1: none; the prefill worker writes block to block).
+    ``generation``: a random 63-bit id of this reservation, echoed by the prefill
+    worker in ``KVReady`` / ``KVWriterDone``; the decode worker acts only on
+    notifications that carry it (see docs/architecture.md, "KV connector")."""
 
     request_id: str
     instance_id: str
     block_ids: list[int]
     staging_block: int = -1
+    generation: int = 0
 
 
 class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
@@ -220,6 +240,7 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
     encode_instance: str | None = None
     embeddings: list[EmbeddingRef] = []
     decode_staging_block: int = -1  # KVReserved.staging_block
+    decode_generation: int = 0  # KVReserved.generation
 
 
 class KVReady(msgspec.Struct, tag="kv_ready", frozen=True):
@@ -229,6 +250,16 @@ class KVReady(msgspec.Struct, tag="kv_ready", frozen=True):
     request_id: str
     first_token: int
     src_tp: int = 1
+    generation: int = 0  # KVReserved.generation
+
+
+class KVWriterDone(msgspec.Struct, tag="kv_writer_done", frozen=True):
+    """P -> D NIXL notification: this prefill worker will never write the reservation's
+    blocks (its send was aborted or failed, and every write of it has ended), sent
+    instead of ``KVReady``. ``generation``: ``KVReserved.generation``."""
+
+    request_id: str
+    generation: int
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
@@ -269,17 +300,34 @@ class TokenOutput(msgspec.Struct, tag="tokens", frozen=True):
 class RequestFailed(msgspec.Struct, tag="failed", frozen=True):
     """Worker -> router: a request failed here. ``retryable``: another instance
     (or a second try) may succeed; ``kind`` = "kv_transfer" when the P -> D KV
-    transfer failed or timed out (the router then retries or recomputes by policy)."""
+    transfer failed or timed out (the router then retries or recomputes by policy).
+    ``status``: who failed, as HTTP (``epd.errors.error_status``): 400 the request,
+    503 capacity, 500 epd itself."""
 
     request_id: str
     instance_id: str
     error: str
     retryable: bool = False
     kind: str = ""
+    status: int = 500
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
+    """Router -> worker: stop the request. To a decode worker holding a reservation,
+    ``kv_writer`` / ``kv_writer_pid`` name the prefill worker (instance, process) that
+    was told to write into it and has not reported back ("": none): the blocks stay
+    fenced until that writer sends ``KVWriterDone`` or its process is gone."""
+
     request_id: str
+    kv_writer: str = ""
+    kv_writer_pid: int = 0
+
+
+class PeerGone(msgspec.Struct, tag="peer_gone", frozen=True):
+    """Router -> workers: the process ``pid`` of ``instance_id`` exited (the launcher saw it)."""
+
+    instance_id: str
+    pid: int
 
 
 class ReleaseEmbeddings(msgspec.Struct, tag="release", frozen=True):
@@ -304,7 +352,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 
 Message = (WorkerReady | Heartbeat | KVEvents | PeerInfo | EncodeRequest | EncodeDone | ReserveKV | KVReserved
            | PrefillRequest | KVReady | PrefillDone | GenerateRequest | TokenOutput
-           | RequestFailed | Abort | ReleaseEmbeddings | StatsRequest | WorkerStats | Shutdown)
+           | RequestFailed | Abort | PeerGone | KVWriterDone | ReleaseEmbeddings | StatsRequest | WorkerStats | Shutdown)
 
 
 def _enc_hook(obj):

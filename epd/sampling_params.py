@@ -44,6 +44,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             and the k most likely tokens' (0..20), from the model's raw distribution
             (log_softmax of the logits, before penalties, temperature, top-k/top-p), as
             vLLM returns them by default.
+        num_prior_output_tokens: the last N prompt tokens are this request's own
+            earlier output (a request resumed on another engine after streaming N
+            tokens: the router's migration, ``epd.router.recovery``). The penalties
+            count them as output, a seeded generator resumes after their N draws, and
+            ``max_tokens`` counts only the tokens generated after them. 0 for a new
+            request; the API never sets it.
 
     Raises:
         ValueError: on out-of-range values (the message names the field); on
@@ -66,6 +72,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    num_prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
@@ -75,6 +82,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if (isinstance(self.num_prior_output_tokens, bool) or not isinstance(self.num_prior_output_tokens, int)
+                or self.num_prior_output_tokens < 0):
+            raise ValueError(f"num_prior_output_tokens must be an integer >= 0, got {self.num_prior_output_tokens!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or [])]

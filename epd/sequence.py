@@ -35,6 +35,14 @@ class Sequence:
     prefix cache or computed). ``block_table``: KV block ids, one per
     ``block_size`` tokens. After preemption (recompute) the whole
     ``token_ids`` (prompt + output so far) is prefilled again.
+
+    A resumed request (``params.num_prior_output_tokens`` = N > 0, e.g. migrated
+    after streaming N tokens) has its earlier output as the last N prompt tokens:
+    they are prefilled like the prompt, but ``all_output_token_ids`` (what the
+    penalties count) includes them; ``output_token_ids`` / ``num_output_tokens``
+    (what this engine generated, what ``max_tokens`` limits) do not. The engine
+    advances a seeded ``generator`` past their N draws
+    (``epd.layers.sampler.skip_draws``).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -78,6 +86,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def all_output_token_ids(self) -> list[int]:
+        """The request's whole output: the prior output at the end of the prompt
+        (``params.num_prior_output_tokens``), then what this engine generated."""
+        return self.token_ids[self.num_prompt_tokens - self.params.num_prior_output_tokens:]
 
     @property
     def num_output_tokens(self) -> int:

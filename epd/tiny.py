@@ -266,10 +266,27 @@ def _reinit_(model, seed: int) -> None:
                 p.copy_(0.5 * noise)
 
 
-def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
+def _set_tied(kind: str, config, tie_word_embeddings: bool) -> None:
+    """Set the LM's (text config's) ``tie_word_embeddings``, as a checkpoint whose LM half
+    is a tied or untied small LM has it. LlavaConfig also keeps a top-level copy, which
+    its ``__post_init__`` raises to the text config's True (mirrored here: the flag is
+    set after construction); Qwen2AudioConfig has no top-level flag."""
+    config.get_text_config().tie_word_embeddings = tie_word_embeddings
+    if kind.startswith("llava"):
+        config.tie_word_embeddings = tie_word_embeddings
+
+
+def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0,
+                      tie_word_embeddings: bool | None = None) -> pathlib.Path:
     """Write a tiny random ``kind`` checkpoint (``"llama"``, ``"qwen2"`` or ``"qwen3"``)
     with its tokenizer (and image processor / feature extractor for the multimodal kinds
-    ``"llava"``, ``"llava-siglip"``, ``"qwen2-audio"``) to ``out_dir``; returns it as a Path."""
+    ``"llava"``, ``"llava-siglip"``, ``"qwen2-audio"``) to ``out_dir``; returns it as a Path.
+
+    ``tie_word_embeddings``: None keeps the family's own setting (tied: llama, qwen3,
+    llava; untied: qwen2, llava-siglip, qwen2-audio); True/False sets the LM's (the
+    text config's) flag. transformers then decides what the flag does: a tied
+    ``qwen2-audio`` still gets its own random ``lm_head`` (its class ties nothing).
+    """
     if kind not in _CONFIGS:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(TINY_KINDS)}")
     import torch
@@ -279,6 +296,8 @@ def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0) -> p
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
     config = _CONFIGS[kind](tokenizer)
+    if tie_word_embeddings is not None:
+        _set_tied(kind, config, tie_word_embeddings)
     config.dtype = torch.float32
     torch.manual_seed(seed)
     if kind in _MULTIMODAL_CLASSES:

@@ -28,8 +28,10 @@ engine looks up its own cache with its own hashes). Reports are checked for
 shape (16-byte digests, at most the instance's block count held per instance)
 and must come from the process that registered the instance (its
 ``WorkerReady.pid``); a restarted worker (new pid, same instance id) has its
-old entries dropped before anything else is read. A dead worker is never a
-routing candidate, so its entries are ignored until it restarts.
+old entries dropped before anything else is read. The router drops an
+instance's entries when the registry declares it dead (silent past the
+heartbeat timeout, or exited: it may never come back) and when it
+(re-)registers (a new process starts with an empty cache).
 
 Design after NVIDIA Dynamo's KV router (cost = overlap weight x blocks still to
 prefill + active blocks; workers publish stored/removed events to an indexer).

@@ -11,8 +11,12 @@ attempt) is dropped.
 waits watches the workers the stage depends on: one that misses heartbeats for
 ``heartbeat_timeout_s`` (or that the launcher reports dead) fails the wait at
 once (``kind="dead"``), within ``liveness_poll_s``, instead of at its deadline.
-A background watch loop logs and counts each worker the moment it is found
-dead, whether or not a request waits on it.
+A background watch loop (``check_deaths``) logs and counts each worker the
+moment it is found dead, whether or not a request waits on it: once per outage
+of each process incarnation (instance id + pid of its ``WorkerReady``), so a
+worker that comes back (thawed, or restarted under its id) and dies again is
+counted again; ``on_dead`` runs with it (the router drops its prefix-cache
+entries).
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ class Mailbox:
         registry: the pools; messages refresh their senders' liveness.
         handlers: message type -> callable, for the control messages.
         count: ``count(metric, pool, instance)`` increments a counter of ``epd.metrics``.
+        on_dead: called with each worker handle the moment it is found dead.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, registry: PoolRegistry,
-                 handlers: dict[type, Callable], count: Callable[[str, str, str], None]) -> None:
+                 handlers: dict[type, Callable], count: Callable[[str, str, str], None],
+                 on_dead: Callable[[WorkerHandle], None] | None = None) -> None:
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 100000)
         if port:
@@ -56,7 +62,8 @@ class Mailbox:
         self._count = count
         self.liveness_poll_s = min(0.25, registry.heartbeat_timeout_s / 4)
         self.queues: dict[str, asyncio.Queue] = {}
-        self._dead_seen: set[int] = set()  # id() of handles already counted as failed
+        self._on_dead = on_dead
+        self._dead_seen: set[tuple[str, int]] = set()  # (instance id, pid) dead, counted, not back since
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle -------------------------------------------------------------
@@ -79,14 +86,29 @@ class Mailbox:
         while True:
             await asyncio.sleep(self.liveness_poll_s)
             try:
-                for w in list(self.registry.workers.values()):
-                    if id(w) not in self._dead_seen and not self.registry.is_alive(w):
-                        self._dead_seen.add(id(w))
-                        logger.warning("%s worker %s is dead (no heartbeat for %.1f s)", w.role, w.instance_id,
-                                       self.registry.heartbeat_timeout_s)
-                        self._count("worker_failures", w.role, w.instance_id)
+                self.check_deaths()
             except Exception:  # never let bookkeeping stop the watcher
                 logger.exception("router watch loop")
+
+    def check_deaths(self) -> None:
+        """Count (``worker_failures``), log and pass to ``on_dead`` every registered
+        worker found dead since it was last seen alive; forget those alive again."""
+        for w in list(self.registry.workers.values()):
+            key = (w.instance_id, w.info.pid)
+            if self.registry.is_alive(w):
+                self._dead_seen.discard(key)  # thawed: its next death is another failure
+            elif key not in self._dead_seen:
+                self._dead_seen.add(key)
+                logger.warning("%s worker %s (pid %d) is dead (no heartbeat for %.1f s)", w.role, w.instance_id,
+                               w.info.pid, self.registry.heartbeat_timeout_s)
+                self._count("worker_failures", w.role, w.instance_id)
+                if self._on_dead is not None:
+                    self._on_dead(w)
+
+    def forget_deaths(self, instance_id: str) -> None:
+        """``instance_id`` re-registered (a new process, maybe with a recycled pid):
+        its next death counts whatever it was before."""
+        self._dead_seen = {k for k in self._dead_seen if k[0] != instance_id}
 
     # ---- inbound ------------------------------------------------------------------
     async def _receive_loop(self) -> None:
@@ -118,7 +140,15 @@ class Mailbox:
 
     # ---- per-request queues -----------------------------------------------------------
     def open(self, rid: str) -> None:
-        """Start collecting the messages for wire id ``rid``."""
+        """Start collecting the messages for wire id ``rid``.
+
+        Raises:
+            RequestError: (500, ``kind="duplicate_id"``) a queue for ``rid`` is open: a live
+                request has that id, and replacing its queue would hand its replies to another.
+        """
+        if rid in self.queues:
+            raise RequestError(f"request id {rid!r} is already in flight; a wire id is never reused while live",
+                               status=500, kind="duplicate_id")
         self.queues[rid] = asyncio.Queue()
 
     def close(self, rid: str) -> None:
@@ -161,8 +191,9 @@ class Mailbox:
                 continue
             break
         if isinstance(msg, RequestFailed):
+            status = msg.status if 400 <= msg.status <= 599 else 500  # who failed, as the worker says
             raise RequestError(f"{stage} failed on {msg.instance_id}: {msg.error}",
-                               status=503 if msg.retryable else 400, retryable=msg.retryable,
+                               status=status, retryable=msg.retryable,
                                instance=msg.instance_id, kind=msg.kind)
         if not isinstance(msg, types):
             raise RequestError(f"unexpected {type(msg).__name__} during {stage}")

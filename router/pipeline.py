@@ -57,6 +57,10 @@ class Pipeline:
         self.token_timeout_s = token_timeout_s
         self.touched: dict[str, set[str]] = {}
         self.owner: dict[str, str] = {}
+        # wire id -> (instance, pid) of the prefill worker told to write into a decode
+        # reservation and not yet heard back from: its Abort to the decode worker names
+        # it, so the reserved blocks stay fenced until that writer is done or gone.
+        self.kv_writer: dict[str, tuple[str, int]] = {}
 
     # ---- attempts -------------------------------------------------------------------
     def begin(self, wire: str, request_id: str) -> None:
@@ -72,12 +76,14 @@ class Pipeline:
         self.mailbox.close(wire)
         self.touched.pop(wire, None)
         self.owner.pop(wire, None)
+        self.kv_writer.pop(wire, None)
 
     def abort_everywhere(self, rid: str) -> None:
+        writer, pid = self.kv_writer.get(rid, ("", 0))
         for inst in self.touched.get(rid, ()):
             w = self.registry.get(inst)
             if w is not None:
-                w.try_send(Abort(rid))
+                w.try_send(Abort(rid, writer, pid))
 
     def _enter(self, rid: str, state: RequestState) -> None:
         self.states.enter(self.owner.get(rid, rid), state)
@@ -149,6 +155,7 @@ class Pipeline:
                 yield ev
         finally:
             w.inflight -= 1
+            self.policies[role].released(w, rid)
 
     async def generate_disaggregated(self, req, e_id, refs, placeholders, avoid=frozenset()
                                      ) -> AsyncIterator[TokenEvent]:
@@ -158,9 +165,10 @@ class Pipeline:
         d.inflight += 1
         try:
             self._enter(rid, RequestState.PREFILL)
-            d.send(ReserveKV(rid, req.prompt_token_ids, req.params))
+            d.send(ReserveKV(rid, req.prompt_token_ids, req.params, placeholders))
             reserved = await self.mailbox.expect(rid, (KVReserved,), self.stage_timeout_s, "KV reservation",
                                                  watch=(d,))
+            self.policies[Role.DECODE].reserved(d, rid)  # its next load reports include the blocks
             done, early = await self._prefill(req, d, reserved, e_id, refs, placeholders, avoid)
             self._enter(rid, RequestState.TRANSFER)
             for msg in reversed(early):  # put the overtaking tokens back in front, in order
@@ -173,6 +181,7 @@ class Pipeline:
                 yield ev
         finally:
             d.inflight -= 1
+            self.policies[Role.DECODE].released(d, rid)
 
     async def _prefill(self, req, d: WorkerHandle, reserved: KVReserved, e_id, refs, placeholders, avoid
                        ) -> tuple[PrefillDone, list[TokenOutput]]:
@@ -182,12 +191,19 @@ class Pipeline:
         p = self._touch(rid, Role.PREFILL, req, avoid)
         p.inflight += 1
         try:
+            self.kv_writer[rid] = (p.instance_id, p.info.pid)
             p.send(PrefillRequest(rid, req.prompt_token_ids, req.params, d.instance_id,
                                   list(reserved.block_ids), placeholders, e_id, refs,
-                                  decode_staging_block=reserved.staging_block))
+                                  decode_staging_block=reserved.staging_block,
+                                  decode_generation=reserved.generation))
             early: list[TokenOutput] = []
             done = await self.mailbox.expect(rid, (PrefillDone,), self.stage_timeout_s, "prefill", stash=early,
                                              watch=(p, d))
+            del self.kv_writer[rid]  # its writes are complete
+        except RequestError as e:
+            if e.instance == p.instance_id and e.kind not in ("dead", "timeout"):
+                self.kv_writer.pop(rid, None)  # it reported the failure: it writes nothing more
+            raise
         finally:
             p.inflight -= 1
         return done, early

@@ -12,7 +12,7 @@ aggregated ``pd`` pool follows ``--prefill-routing``):
   comes from the prefix index of reported KV cache events
   (``epd.router.kv_index``); after NVIDIA Dynamo's KV router.
 - ``free-kv`` (decode): most free KV blocks after the reservations routed there
-  since its last heartbeat, then smallest running batch.
+  that its last heartbeat does not reflect yet, then smallest running batch.
 - ``media-affinity`` (encode): rendezvous (highest-random-weight) hashing of the
   request's first media item hash over the live encoders, so a repeated image
   or clip lands on the encoder whose cache holds its embedding; least-loaded
@@ -24,10 +24,12 @@ Every policy is deterministic: ties break on the instance id.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import xxhash
 
+from epd.messages import Heartbeat
 from epd.roles import Role
 from epd.router.kv_index import KVIndex, request_block_hashes
 from epd.router.registry import WorkerHandle
@@ -81,6 +83,12 @@ class RoutingPolicy:
             NoInstanceError: ``workers`` is empty.
         """
         raise NotImplementedError
+
+    def reserved(self, w: WorkerHandle, request_id: str) -> None:
+        """``w`` answered ``request_id``'s ``ReserveKV`` (``KVReserved``): its blocks are taken."""
+
+    def released(self, w: WorkerHandle, request_id: str) -> None:
+        """The attempt ``request_id`` routed to ``w`` ended (finished, failed or aborted)."""
 
 
 class LeastLoaded(RoutingPolicy):
@@ -184,43 +192,87 @@ class KVAwarePrefill(RoutingPolicy):
         return w
 
 
+@dataclass(slots=True)
+class _Reservation:
+    """A request routed to a decode instance, as ``FreeKVDecode`` counts it."""
+
+    request_id: str  # the attempt's wire id
+    blocks: int  # prompt blocks, on the instance's block size
+    pid: int  # the instance's process it was routed to
+    acked: bool = False  # its KVReserved arrived
+    at: Heartbeat | None = None  # the instance's latest report when it did
+
+
 class FreeKVDecode(RoutingPolicy):
     """Most free KV blocks after reservations, then smallest running batch.
 
     Free blocks come from the instance's last heartbeat; the prompt blocks of
-    requests routed to it since its heartbeat last changed are subtracted (their
-    reservations are not in it yet; a worker busy in a long step repeats its
-    previous heartbeat). Block counts use the instance's block size.
+    the requests routed to it that this heartbeat does not reflect yet are
+    subtracted (``pending``). A reservation is reflected by a load report made
+    after the worker took its blocks, i.e. after its ``KVReserved``: one
+    numbered above the report the router had when ``KVReserved`` arrived
+    (``Heartbeat.seq``; the reply and the worker loop's reports share one
+    socket, so every earlier report came first), or, from a worker that does
+    not number its reports, a later one with other values (one with the same
+    values keeps it pending: the safe side). Before ``KVReserved`` no report
+    reflects it, whether it changed, repeats (the heartbeat thread repeats the
+    latest report while the loop is busy) or is late. A reservation leaves when
+    its attempt ends (``released``) or its instance's process is replaced.
+    Block counts use the instance's block size.
     """
 
     name = "free-kv"
 
     def __init__(self) -> None:
-        self._since: dict[str, tuple[object, list[int]]] = {}  # instance -> (heartbeat, blocks routed since it)
+        self._reservations: dict[str, list[_Reservation]] = {}  # instance -> routed, not yet reflected
 
-    def _pending(self, w: WorkerHandle) -> list[int]:
-        seen = self._since.get(w.instance_id)
-        if seen is None or seen[0] != w.load:
-            seen = (w.load, [])
-            self._since[w.instance_id] = seen
-        return seen[1]
+    @staticmethod
+    def _reflects(load: Heartbeat | None, r: _Reservation) -> bool:
+        """The instance's report ``load`` includes reservation ``r``."""
+        if not r.acked or load is None:
+            return False
+        if r.at is None:
+            return True
+        if load.seq or r.at.seq:
+            return load.seq > r.at.seq
+        return load != r.at
+
+    def pending(self, w: WorkerHandle) -> list[int]:
+        """Blocks of each reservation routed to ``w`` that its last heartbeat does not reflect."""
+        rs = self._reservations.get(w.instance_id)
+        if not rs:
+            return []
+        rs[:] = [r for r in rs if r.pid == w.info.pid and not self._reflects(w.load, r)]
+        return [r.blocks for r in rs]
+
+    def reserved(self, w: WorkerHandle, request_id: str) -> None:
+        for r in self._reservations.get(w.instance_id, ()):
+            if r.request_id == request_id and not r.acked:
+                r.acked, r.at = True, w.load
+                return
+
+    def released(self, w: WorkerHandle, request_id: str) -> None:
+        rs = self._reservations.get(w.instance_id)
+        if rs:
+            rs[:] = [r for r in rs if r.request_id != request_id]
 
     def free_after_reservations(self, w: WorkerHandle) -> int:
         free = w.load.num_free_blocks if w.load else 0
-        return free - sum(self._pending(w))
+        return free - sum(self.pending(w))
 
     def select(self, workers, req=None):
         if not workers:
             raise NoInstanceError("no live instance")
 
         def key(w: WorkerHandle):
-            running = (w.load.num_running if w.load else 0) + len(self._pending(w))
+            running = (w.load.num_running if w.load else 0) + len(self.pending(w))
             return (-self.free_after_reservations(w), running, w.inflight, w.instance_id)
 
         w = min(workers, key=key)
         layout = w.info.kv_layout
         if req is not None and layout is not None:
-            self._pending(w).append(-(-len(req.prompt_token_ids) // layout.block_size))
+            blocks = -(-len(req.prompt_token_ids) // layout.block_size)
+            self._reservations.setdefault(w.instance_id, []).append(_Reservation(req.request_id, blocks, w.info.pid))
         return w
 
 

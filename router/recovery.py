@@ -10,8 +10,10 @@ instances (those that failed it are avoided while others are alive):
 - a decode worker that died mid-stream -> **migration**: the prompt plus every
   token streamed so far is prefilled on another instance and decoding goes on
   with the remaining ``max_tokens``, so the client receives one whole answer.
-  Greedy requests are token-identical across a migration; a seeded sampled
-  request continues with a fresh generator;
+  The new attempt's ``SamplingParams.num_prior_output_tokens`` says how many
+  trailing prompt tokens are that earlier output: the engines count them as
+  output for the penalties and resume a seeded generator after their draws, so
+  greedy and seeded sampled requests are token-identical across a migration;
 - a failed KV transfer -> ``kv_failure_policy``: "retry" prefills again (either
   end of the link may be at fault, so the decode instances of the failed
   attempt are avoided too), "recompute" has the decode worker prefill the
@@ -69,11 +71,13 @@ class _Flight:
     num_cached_tokens: int | None = None
 
     def attempt_request(self, wire: str) -> RouterRequest:
-        """The request this attempt runs: prompt + tokens so far, the remaining budget."""
+        """The request this attempt runs: prompt + tokens so far (marked as prior output,
+        so penalties and a seeded generator go on where they were), the remaining budget."""
         req, n = self.req, len(self.tokens)
         params = req.params
         if n:
-            params = msgspec.structs.replace(params, max_tokens=params.max_tokens - n)
+            params = msgspec.structs.replace(params, max_tokens=params.max_tokens - n,
+                                             num_prior_output_tokens=params.num_prior_output_tokens + n)
         return RouterRequest(wire, req.prompt_token_ids + self.tokens, params, req.items, req.placeholders)
 
 
@@ -98,13 +102,16 @@ class Recovery:
 
     async def transcribe(self, request_id: str, items: list[MediaItem]) -> list[str]:
         """Speech-to-text through the E pool, retried on another encoder when one
-        dies or fails."""
+        dies or fails. Raises RequestError (500) when ``request_id`` is live (see ``Mailbox.open``)."""
         avoid: set[str] = set()
         outcome = RequestState.CANCELLED
+        wire = wire_id(request_id, 0)
+        self.pipeline.begin(wire, request_id)  # RequestError (500) for a live id: that state is not ours to end
         try:
             for attempt in itertools.count():
-                wire = wire_id(request_id, attempt)
-                self.pipeline.begin(wire, request_id)
+                if attempt:
+                    wire = wire_id(request_id, attempt)
+                    self.pipeline.begin(wire, request_id)
                 try:
                     _, _, texts = await self.pipeline.encode(RouterRequest(wire, [], SamplingParams(), items),
                                                              avoid)
@@ -127,10 +134,10 @@ class Recovery:
         """``req``'s token events across its attempts (see ``Router.generate``)."""
         flight = _Flight(req)
         outcome = RequestState.CANCELLED
+        wire = wire_id(req.request_id, 0)
+        self.pipeline.begin(wire, req.request_id)  # RequestError (500) for a live id: that state is not ours to end
         try:
             while True:
-                wire = wire_id(req.request_id, flight.attempt)
-                self.pipeline.begin(wire, req.request_id)
                 try:
                     async for ev in self.pipeline.run(flight.attempt_request(wire), flight.avoid, flight.recompute):
                         if ev.token_ids:  # usage reports the prompt's own prefix hits, not a migration's
@@ -152,6 +159,8 @@ class Recovery:
                 finally:
                     self.pipeline.end(wire, abort=outcome is not RequestState.DONE)
                 flight.attempt += 1
+                wire = wire_id(req.request_id, flight.attempt)
+                self.pipeline.begin(wire, req.request_id)
         finally:
             self.pipeline.states.finish(req.request_id, outcome)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from epd.messages import Heartbeat, Message, PeerInfo, WorkerReady, encode
+from epd.messages import Heartbeat, Message, PeerGone, PeerInfo, WorkerReady, encode
 from epd.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class PoolRegistry:
         """``add`` a worker that reported ready, and exchange ``PeerInfo`` with its NIXL peers."""
         handle = self.add(info)
         logger.info("worker %s (%s) ready in %.1f s", info.instance_id, info.role, info.startup_s)
-        peer = PeerInfo(info.instance_id, info.nixl_metadata, list(info.regions), info.kv_layout)
+        peer = PeerInfo(info.instance_id, info.nixl_metadata, list(info.regions), info.kv_layout, info.pid)
         # Prefill / aggregated workers read from encoders and write to decoders.
         if info.role in (Role.ENCODE, Role.DECODE):
             for w in self.workers.values():
@@ -87,14 +87,17 @@ class PoolRegistry:
             for w in self.workers.values():
                 if w.role in (Role.ENCODE, Role.DECODE):
                     handle.send(PeerInfo(w.instance_id, w.info.nixl_metadata, list(w.info.regions),
-                                         w.info.kv_layout))
+                                         w.info.kv_layout, w.info.pid))
         return handle
 
     def heartbeat(self, hb: Heartbeat) -> None:
+        """``hb`` refreshes its worker's liveness, and its load unless it is a numbered
+        report older than the one kept (a late repeat from the heartbeat thread)."""
         w = self.workers.get(hb.instance_id)
         if w is not None:
             w.last_seen = time.monotonic()
-            w.load = hb
+            if w.load is None or not hb.seq or hb.seq >= w.load.seq:
+                w.load = hb
 
     def seen(self, instance_id: str) -> None:
         w = self.workers.get(instance_id)
@@ -112,6 +115,11 @@ class PoolRegistry:
         w = self.workers.get(instance_id)
         if w is not None:
             w.last_seen = float("-inf")
+            # Its peers may hold blocks fenced for what it was writing: they are free now.
+            gone = PeerGone(instance_id, w.info.pid)
+            for other in self.workers.values():
+                if other is not w:
+                    other.try_send(gone)
 
     def alive(self, role: str | None = None) -> list[WorkerHandle]:
         now = time.monotonic()

@@ -74,8 +74,8 @@ class Router:
         self.ctx = zmq.asyncio.Context()
         self.registry = PoolRegistry(self.ctx, heartbeat_timeout_s)
         self.mailbox = Mailbox(self.ctx, host, port, self.registry, {
-            Heartbeat: self.registry.heartbeat, WorkerReady: self.registry.register,
-            KVEvents: self._on_kv_events, WorkerStats: self._on_stats}, self._count)
+            Heartbeat: self.registry.heartbeat, WorkerReady: self._on_ready,
+            KVEvents: self._on_kv_events, WorkerStats: self._on_stats}, self._count, self._on_dead)
         self.endpoint = self.mailbox.endpoint
         self.kv_index = KVIndex()  # prefix caches of the prefill / pd instances, from their KVEvents
         self.policies: dict[str, RoutingPolicy] = {
@@ -146,6 +146,18 @@ class Router:
     def _dispatch(self, msg) -> None:
         """Handle one decoded worker message (the mailbox's receive loop does this)."""
         self.mailbox.dispatch(msg)
+
+    def _on_ready(self, msg: WorkerReady) -> None:
+        """A worker process joined (or re-joined under its instance id): register it; its
+        prefix-cache entries and death record start empty (a new process, a new cache)."""
+        self.kv_index.drop_instance(msg.instance_id)
+        self.mailbox.forget_deaths(msg.instance_id)
+        self.registry.register(msg)
+
+    def _on_dead(self, w: WorkerHandle) -> None:
+        """The registry declared ``w`` dead (silent past the heartbeat timeout, or exited):
+        its cached prefixes must not attract routing, whether or not it ever comes back."""
+        self.kv_index.drop_instance(w.instance_id)
 
     def _on_kv_events(self, msg: KVEvents) -> None:
         w = self.registry.get(msg.instance_id)

@@ -1,11 +1,12 @@
 """The API process's app: the OpenAI HTTP routes (``epd.api.server``) with the
-``/v1/realtime`` WebSocket (``epd.api.realtime``) mounted on them."""
+``/v1/realtime`` WebSocket (``epd.api.realtime_server``, ``epd.api.realtime``) mounted on them."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
-from epd.api.realtime import mount_realtime
+from epd.api.completions import ApiState
+from epd.api.realtime_server import mount_realtime
 from epd.api.server import ApiSettings, build_http_app
 from epd.encoders.processor import MultiModalProcessor
 from epd.router.router import Router
@@ -21,9 +22,11 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
     settings = settings or ApiSettings()
     if default_max_tokens is not None:
         settings.default_max_tokens = default_max_tokens
+    state = ApiState()  # one count of requests in flight: HTTP requests and realtime responses
     app = build_http_app(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
-                         settings=settings, metrics_render=metrics_render, metrics=metrics, vocab_size=vocab_size)
+                         settings=settings, metrics_render=metrics_render, metrics=metrics, vocab_size=vocab_size,
+                         state=state)
     rt_kw = {} if settings.default_max_tokens is None else {"default_max_tokens": settings.default_max_tokens}
     mount_realtime(app, router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
-                   api_key=settings.api_key, metrics=metrics, **rt_kw)
+                   settings=settings, state=state, metrics=metrics, **rt_kw)
     return app

@@ -1,9 +1,13 @@
 """Chat prompts: messages -> the model's chat template text plus the media items.
 
 Shared by ``/v1/chat/completions`` (``ChatPromptRenderer``) and ``/v1/realtime``
-(``template_takes_parts`` / ``flatten``). Content parts become HF-style
+(``template_takes_parts`` / ``flatten`` / ``LiteralText``). Content parts become HF-style
 ``{"type": "image"}`` / ``{"type": "audio"}`` entries when the model's template
 renders them; otherwise each media item becomes its placeholder text inline.
+
+Media slots come only from real media parts: a placeholder string a client types
+(``"<image>"`` in a message) is plain text, tokenized as such (``LiteralText``), as
+vLLM and SGLang treat it; a clip's transcript (text-only models) goes where the clip stood.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import re
+import uuid
 from typing import Any
 
 from epd.api.media_fetch import MediaFetcher
@@ -49,6 +55,50 @@ def flatten(parts: list[dict], image_tok: str | None, audio_tok: str, structured
     return "".join(out)
 
 
+class LiteralText:
+    """Client text in a prompt: the model's media placeholder strings it spells stay text.
+
+    ``escape`` swaps each placeholder string in a client's text (messages, instructions,
+    transcripts) for a marker no template or tokenizer treats specially; ``encode``
+    tokenizes the rendered prompt with each marker as the placeholder's plain-text
+    tokens, so the only placeholder tokens are the slots the server put in for real
+    media parts. ``placeholder_ids``: modality -> placeholder token id (the processor's).
+    """
+
+    def __init__(self, tokenizer, placeholder_ids: dict[str, int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = set(placeholder_ids.values())
+        literals = [tokenizer.convert_ids_to_tokens(i) for i in placeholder_ids.values()]
+        tag = uuid.uuid4().hex[:12]
+        self.marks = {lit: f"\ue000{tag}{k}\ue001" for k, lit in enumerate(dict.fromkeys(literals))}
+        self.plain = {m: self._plain(lit) for lit, m in self.marks.items()}
+        self._split = re.compile("(" + "|".join(map(re.escape, self.plain)) + ")") if self.marks else None
+
+    def _plain(self, literal: str) -> list[int]:
+        """``literal``'s tokens as ordinary text (character by character if they still hold a placeholder)."""
+        enc = lambda s: self.tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True)  # noqa: E731
+        ids = enc(literal)
+        return ids if self.ids.isdisjoint(ids) else [t for ch in literal for t in enc(ch)]
+
+    def escape(self, text: str) -> str:
+        """``text`` (a client's) with each placeholder string marked as text."""
+        for literal, mark in self.marks.items():
+            text = text.replace(literal, mark)
+        return text
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a prompt whose client text went through ``escape``."""
+        if self._split is None or "\ue000" not in text:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids: list[int] = []
+        for k, chunk in enumerate(self._split.split(text)):
+            if k % 2:
+                ids += self.plain[chunk]
+            elif chunk or (k == 0 and add_special_tokens):
+                ids += self.tokenizer.encode(chunk, add_special_tokens=add_special_tokens and k == 0)
+        return ids
+
+
 def decode_b64(data: str, param: str) -> bytes:
     """Base64 media bytes, bare or as a ``data:<mime>;base64,...`` URL.
 
@@ -78,6 +128,7 @@ class ChatPromptRenderer:
                           if "audio" in processor.placeholder_ids else AUDIO_PLACEHOLDER)
         self.structured = template_takes_parts(tokenizer, self.image_tok,
                                                self.audio_tok if "audio" in processor.placeholder_ids else None)
+        self.literal = LiteralText(tokenizer, processor.placeholder_ids)
 
     async def load_image(self, url: str, param: str) -> bytes:
         """An image_url's bytes: a data: URL, or an http(s) URL on the allowed media domains."""
@@ -93,7 +144,7 @@ class ChatPromptRenderer:
         parts: list[dict] = []
         for p in content:
             if isinstance(p, TextPart):
-                parts.append({"type": "text", "text": p.text})
+                parts.append({"type": "text", "text": self.literal.escape(p.text)})
             elif isinstance(p, ImagePart):
                 if self.image_tok is None:
                     raise BadRequest("this model does not accept images", param)
@@ -108,39 +159,46 @@ class ChatPromptRenderer:
                 raise BadRequest(f"at most {processor.max_items_per_prompt} media items per request", param)
         return parts
 
-    async def render(self, body: ChatRequest, rid: str) -> tuple[str, dict]:
-        """The chat template's text and the media items, in prompt order.
+    async def render(self, body: ChatRequest, rid: str) -> tuple[list[int], dict]:
+        """The prompt's token ids (the chat template's text) and the media items, in prompt
+        order; ``rid``: the router request id of the audio's transcription (unique, made
+        by the server).
 
         Content parts become HF-style ``{"type": "image"}`` / ``{"type": "audio"}``
         entries when the model's template renders them; otherwise each item
-        becomes its placeholder text inline (see ``template_takes_parts``).
+        becomes its placeholder text inline (see ``template_takes_parts``). Placeholder
+        strings in the client's text are text (``LiteralText``).
 
         Raises:
             BadRequest: a media part the model does not take, bad media data, too many
                 items, or a conversation the chat template rejects.
         """
-        processor = self.processor
+        processor, literal = self.processor, self.literal
         images, audios, msgs = [], [], []
         for i, m in enumerate(body.messages):
             if not isinstance(m.content, list):
-                msgs.append({"role": m.role, "content": m.content or ""})
+                msgs.append({"role": m.role, "content": literal.escape(m.content or "")})
                 continue
-            parts = await self._parts(m.content, f"messages.{i}.content", images, audios)
-            msgs.append({"role": m.role, "content": flatten(parts, self.image_tok, self.audio_tok, self.structured)})
+            msgs.append({"role": m.role, "content": await self._parts(m.content, f"messages.{i}.content", images,
+                                                                      audios)})
         mm: dict[str, Any] = {}
         if images:
             mm["image"] = images
         if audios and processor.modalities.get("audio") == "transcribe":
             # decoding media is CPU work: off the event loop, so other streams keep flowing
             items = await asyncio.to_thread(lambda: [processor.audio_item(a) for a in audios])
-            texts = await self.router.transcribe(rid + "-asr", items)
-            for msg in msgs:
-                while AUDIO_PLACEHOLDER in msg["content"] and texts:
-                    msg["content"] = msg["content"].replace(AUDIO_PLACEHOLDER, texts.pop(0), 1)
+            texts = iter(await self.router.transcribe(rid, items))
+            for msg in msgs:  # each transcript where its clip stood
+                if isinstance(msg["content"], list):
+                    msg["content"] = [{"type": "text", "text": literal.escape(next(texts))} if p["type"] == "audio"
+                                      else p for p in msg["content"]]
         elif audios:
             mm["audio"] = audios
+        for msg in msgs:
+            if isinstance(msg["content"], list):
+                msg["content"] = flatten(msg["content"], self.image_tok, self.audio_tok, self.structured)
         try:
             prompt = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja raises for conversations the template rejects
             raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
-        return prompt, mm
+        return literal.encode(prompt), mm

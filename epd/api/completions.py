@@ -19,7 +19,7 @@ from fastapi.responses import Response
 
 from epd.api.chat_prompt import ChatPromptRenderer
 from epd.api.protocol import (BadRequest, ChatRequest, CompletionRequest, SamplingFields, error_response,
-                              has_lone_surrogate)
+                              has_lone_surrogate, too_many_requests)
 from epd.api.streaming import Choice, CompletionResponder, RequestTimer
 from epd.detokenizer import IncrementalDetokenizer
 from epd.encoders.media import MediaError
@@ -85,11 +85,10 @@ class CompletionService:
                                        f"{self.model_name!r}", "model", "model_not_found")
         release = self.state.admit(settings.max_pending_requests)
         if release is None:
-            return error_response(429, f"too many requests in flight ({settings.max_pending_requests}); "
-                                       f"retry later")
+            return too_many_requests(settings.max_pending_requests)
         try:
             if chat:
-                prompt, mm = await self.renderer.render(body, uuid.uuid4().hex[:8])
+                prompt, mm = await self.renderer.render(body, f"asr-{uuid.uuid4().hex}")
             else:
                 prompt, mm = body.prompt, {}
             self.check_unsupported(body)
@@ -180,7 +179,8 @@ class CompletionService:
                 raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt")
             ids_ = prompt
         else:
-            ids_ = self.tokenizer.encode(prompt, add_special_tokens=not chat)
+            literal = self.renderer.literal  # a text prompt carries no media: placeholder strings in it are text
+            ids_ = literal.encode(literal.escape(prompt), add_special_tokens=not chat)
         if not ids_:
             raise BadRequest("the prompt is empty", "prompt")
         processor = self.processor

@@ -1,7 +1,9 @@
 """The HTTP API's wire shapes: OpenAI's request bodies and error objects.
 
 Request bodies follow OpenAI's API reference (chat completions, completions) as the
-official ``openai`` SDK sends them; unknown fields are ignored. vLLM's OpenAI server
+official ``openai`` SDK sends them; unknown fields are ignored. Types are strict, as
+OpenAI's are: ``"max_tokens": "16"``, ``"stream": "yes"`` or ``"temperature": true`` are
+400s naming the field (an integer is still a valid number: ``"temperature": 1``). vLLM's OpenAI server
 is the model for the extras (``top_k``, ``ignore_eos``). Errors are OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` body.
 """
@@ -18,7 +20,7 @@ from epd.sampling_params import MAX_LOGPROBS
 
 # ---- request bodies (OpenAI's shapes) -----------------------------------------------
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ImageURL(_Body):
@@ -119,6 +121,22 @@ def has_lone_surrogate(obj) -> bool:
 
 
 # ---- errors -------------------------------------------------------------------------------------
+_UNION_BRANCHES = ("str", "int", "float", "bool", "list", "dict")
+
+
+def invalid_field(errors: list[dict]) -> tuple[str, list[str]]:
+    """The message and field path (``["messages", "0", "content"]``) of the pydantic error
+    that says the most: a union's deepest branch. FastAPI's ``body`` and pydantic's union
+    branch names (``int``, ``list[str]``, ``literal['inf']``) are dropped from the path."""
+    e = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc: list[str] = []
+    for x in e.get("loc", ()):
+        x = str(x)
+        if x != "body" and "[" not in x and x not in _UNION_BRANCHES and loc[-1:] != [x]:
+            loc.append(x)
+    return str(e.get("msg")), loc
+
+
 _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 503: "service_unavailable_error", 504: "timeout_error"}
@@ -132,9 +150,20 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code or _ERROR_CODES.get(status)}}
 
 
+#: seconds a client should wait before retrying a 429 / 503 (``Retry-After``)
+RETRY_AFTER_S = 1
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    """``error_body`` as a JSON response with HTTP status ``status``."""
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    """``error_body`` as a JSON response with HTTP status ``status``; capacity answers
+    (429, 503) carry ``Retry-After`` (seconds)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def too_many_requests(limit: int) -> JSONResponse:
+    """The 429 for a request over ``--max-pending-requests`` (``limit``)."""
+    return error_response(429, f"too many requests in flight ({limit}); retry later")
 
 
 class BadRequest(Exception):

@@ -44,6 +44,15 @@ the client event at fault). Every malformed, unknown or unsupported event gets a
 ``error`` event and the session goes on. Frames over uvicorn's 16 MiB message limit
 close the socket (code 1009).
 
+Limits: at most ``max_realtime_sessions`` sessions at once (one more gets an ``error``
+event, code ``session_limit_reached``, and close code 1013); a response counts toward
+``max_pending_requests`` with the HTTP requests (over it: an ``error`` event, code
+``rate_limit_exceeded``; the session goes on); a client that stops reading its events
+while ``MAX_OUTBOUND_BYTES`` wait for it is closed with code 1008. The handshake checks
+the API key (1008) and a browser's ``Origin`` header against ``allowed_origins`` (403;
+clients that send none pass). The endpoint (handshake, what sessions share) is
+``epd.api.realtime_server``; the limits are ``epd.api.server.ApiSettings``.
+
 epd extension event ``response.output_text.segment`` (``response_id``, ``item_id``,
 ``output_index``, ``content_index``, ``segment_index``, ``text``, ``reason``): the
 response's text cut into TTS-ready phrases (sentence ends, clause marks past a minimum
@@ -73,24 +82,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, WebSocket
+from fastapi import WebSocket
 from pydantic import BaseModel, ValidationError
 
-from epd.api.auth import api_key_ok
+from epd.api.protocol import invalid_field
+from epd.api.realtime_conn import EventChannel
 from epd.api.realtime_events import (DEFAULT_RATE, MAX_APPEND_BYTES, MIN_COMMIT_MS, AudioAppend, ClientError, Item,
                                      ItemCreate, ItemDelete, ItemIn, LooseEvent, Part, ResponseCancel, ResponseCreate,
                                      ResponseIn, ResponseState, SessionUpdate, check_max_tokens, check_modalities,
                                      check_temperature, input_rate, new_id, parse_item, pcm16, pcm_array)
-from epd.api.realtime_response import ASR_RETRY_S, ConversationPrompt, ResponseStream, Transcriber
+from epd.api.realtime_response import ASR_RETRY_S, ResponseStream, Transcriber
 from epd.encoders.media import MediaError
-from epd.encoders.processor import MultiModalProcessor
 from epd.errors import InvalidRequestError
-from epd.router.router import Router
+
+if TYPE_CHECKING:
+    from epd.api.realtime_server import RealtimeAPI
 
 __all__ = ["ASR_RETRY_S", "DEFAULT_MAX_OUTPUT_TOKENS", "MAX_APPEND_BYTES", "MAX_BUFFER_SECONDS", "MAX_ITEMS",
-           "MAX_SESSION_BYTES", "MIN_COMMIT_MS", "ClientError", "RealtimeAPI", "RealtimeSession", "mount_realtime"]
+           "MAX_OUTBOUND_BYTES", "MAX_SESSION_BYTES", "MIN_COMMIT_MS", "ClientError", "RealtimeSession"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +109,8 @@ MAX_BUFFER_SECONDS = 300.0
 MAX_ITEMS = 1000
 #: text and PCM a session holds (conversation + input buffer); a transcribed clip's PCM is dropped
 MAX_SESSION_BYTES = 64 * 2**20
+#: server events waiting for a client that does not read them; past it the socket is closed (1008)
+MAX_OUTBOUND_BYTES = 16 * 2**20
 DEFAULT_MAX_OUTPUT_TOKENS = 256
 _UNSUPPORTED_EVENTS = {"conversation.item.retrieve", "conversation.item.truncate", "output_audio_buffer.clear",
                        "transcription_session.update"}
@@ -107,9 +120,9 @@ class RealtimeSession:
     """One ``/v1/realtime`` WebSocket: session config, conversation, input audio buffer,
     and at most one response in flight.
 
-    Outbound events go through a queue drained by one writer task, so the event
-    handlers and the response task never block on the socket and events keep
-    their order.
+    Outbound events go through a bounded queue drained by one writer task
+    (``epd.api.realtime_conn.EventChannel``), so the event handlers and the response
+    task never block on the socket and events keep their order.
     """
 
     def __init__(self, ws: WebSocket, api: RealtimeAPI) -> None:
@@ -124,23 +137,25 @@ class RealtimeSession:
         self.items: list[Item] = []
         self.buffer = bytearray()
         self.active: ResponseState | None = None
-        self.out: asyncio.Queue[str | None] = asyncio.Queue()
+        self.channel = EventChannel(ws, MAX_OUTBOUND_BYTES)
         self.asr = Transcriber(api, self.emit)
+
+    @property
+    def out(self) -> asyncio.Queue:
+        """The outbound events not sent yet (JSON texts)."""
+        return self.channel.out
 
     # ---- outbound ----------------------------------------------------------------------
     def emit(self, type_: str, **fields: Any) -> None:
-        """Queue server event ``type_`` (a fresh ``event_id`` is added)."""
-        self.out.put_nowait(json.dumps({"type": type_, "event_id": new_id("event"), **fields}))
+        """Queue server event ``type_`` (a fresh ``event_id`` is added); dropped once the
+        session is closing for a client that does not read."""
+        self.channel.send(json.dumps({"type": type_, "event_id": new_id("event"), **fields}))
 
     def emit_error(self, message: str, *, event_id: str | None = None, param: str | None = None,
                    code: str | None = None, kind: str = "invalid_request_error") -> None:
         """Queue an ``error`` event; ``event_id`` is the client event at fault (None for bad JSON)."""
         self.emit("error", error={"type": kind, "code": code, "message": message, "param": param,
                                   "event_id": event_id})
-
-    async def _write(self) -> None:
-        while (data := await self.out.get()) is not None:
-            await self.ws.send_text(data)
 
     def session_json(self) -> dict:
         """The session as ``session.created`` / ``session.updated`` carry it."""
@@ -153,15 +168,13 @@ class RealtimeSession:
 
     # ---- the socket --------------------------------------------------------------------
     async def run(self) -> None:
-        """Serve the socket (already accepted) until the client closes it; then cancel
-        the response in flight (aborting it on every worker) and pending transcriptions."""
-        writer = asyncio.create_task(self._write())
+        """Serve the socket (already accepted) until the client closes it, or stops
+        reading (closed with code 1008); then cancel the response in flight (aborting it
+        on every worker) and pending transcriptions."""
+        writer = asyncio.create_task(self.channel.write())
         try:
             self.emit("session.created", session=self.session_json())
-            while True:
-                msg = await self.ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    break
+            while (msg := await self.channel.receive()) is not None and msg["type"] != "websocket.disconnect":
                 raw = msg.get("text")
                 if raw is None and msg.get("bytes") is not None:
                     raw = msg["bytes"].decode("utf-8", errors="replace")
@@ -170,11 +183,10 @@ class RealtimeSession:
             if self.active is not None:
                 await self.cancel_active("client_cancelled")
             self.asr.cancel_all()
-            self.out.put_nowait(None)
-            try:
-                await asyncio.wait_for(writer, 1.0)
-            except Exception:  # the client is gone: nothing more can be sent
-                writer.cancel()
+            if self.channel.closing:  # what the session holds goes now, not when the socket is gone
+                self.items.clear()
+                self.buffer.clear()
+            await self.channel.finish(writer)
 
     async def handle(self, raw: str) -> None:
         """Parse and run one client event; any problem becomes an ``error`` event."""
@@ -198,12 +210,12 @@ class RealtimeSession:
             try:
                 body = model.model_validate(ev)
             except ValidationError as e:
-                err = e.errors()[0]
-                loc = ".".join(str(x) for x in err.get("loc", ()))
-                raise ClientError(f"invalid {kind} event: {err.get('msg')} at {loc or 'event'}", loc or None) from None
+                msg, path = invalid_field(e.errors())
+                loc = ".".join(path)
+                raise ClientError(f"invalid {kind} event: {msg} at {loc or 'event'}", loc or None) from None
             await fn(self, body)
         except ClientError as e:
-            self.emit_error(str(e), event_id=event_id, param=e.param, code=e.code)
+            self.emit_error(str(e), event_id=event_id, param=e.param, code=e.code, kind=e.kind)
         except (InvalidRequestError, MediaError) as e:
             self.emit_error(str(e), event_id=event_id, param=getattr(e, "param", None), code="invalid_value")
         except Exception as e:  # a bug handling one event must not end the session
@@ -360,6 +372,10 @@ class RealtimeSession:
         if not items:
             raise ClientError("nothing to respond to: the conversation is empty (add an item or commit audio "
                               "first)", "response.input" if r.input is not None else None, "conversation_empty")
+        release = self.api.state.admit(self.api.max_pending_requests)  # counted with the HTTP requests
+        if release is None:
+            raise ClientError(f"too many requests in flight ({self.api.max_pending_requests}); retry later", None,
+                              "rate_limit_exceeded", "rate_limit_error")
         self.asr.retry_failed(items)
         instructions = r.instructions if "instructions" in r.model_fields_set else self.instructions
         resp = ResponseState(new_id("resp"), items, instructions, max_tokens, temperature, r.metadata,
@@ -367,6 +383,7 @@ class RealtimeSession:
         self.active = resp
         self.emit("response.created", response=resp.to_json(self.conversation_id))
         resp.task = asyncio.create_task(ResponseStream(self, resp).run())
+        resp.task.add_done_callback(lambda _: release())  # even when cancelled before it ran
 
     async def on_response_cancel(self, ev: ResponseCancel) -> None:
         if self.active is None:
@@ -395,48 +412,3 @@ class RealtimeSession:
         "response.create": (ResponseCreate, on_response_create),
         "response.cancel": (ResponseCancel, on_response_cancel),
     }
-
-
-class RealtimeAPI:
-    """What every realtime session shares: the router, tokenizer, processor, limits.
-
-    Args:
-        max_model_len: context length; conversations past it drop their oldest items.
-        default_max_tokens: ``max_output_tokens`` of a new session.
-        api_key: when set, the WebSocket handshake needs ``Authorization: Bearer <key>``.
-        metrics: ``epd.metrics.Metrics`` for TTFT / ITL / cancelled counts (or None).
-    """
-
-    def __init__(self, router: Router, tokenizer, processor: MultiModalProcessor, *, model_name: str,
-                 max_model_len: int, default_max_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-                 api_key: str | None = None, metrics=None) -> None:
-        self.router, self.tokenizer, self.processor = router, tokenizer, processor
-        self.model_name, self.max_model_len = model_name, max_model_len
-        self.default_max_tokens = min(default_max_tokens, max_model_len - 1)
-        self.api_key, self.metrics = api_key, metrics
-        self.prompt = ConversationPrompt(tokenizer, processor, max_model_len)
-
-    async def serve(self, ws: WebSocket) -> None:
-        """Run one session until the client closes the socket."""
-        if not api_key_ok(ws.headers.get("authorization", ""), self.api_key):
-            await ws.close(code=1008, reason="missing or incorrect API key")
-            return
-        await ws.accept()
-        model = ws.query_params.get("model")
-        if model not in (None, "", self.model_name):
-            await ws.send_text(json.dumps({"type": "error", "event_id": new_id("event"), "error": {
-                "type": "invalid_request_error", "code": "model_not_found", "param": "model", "event_id": None,
-                "message": f"the model {model!r} does not exist; this server serves {self.model_name!r}"}}))
-            await ws.close(code=1008)
-            return
-        await RealtimeSession(ws, self).run()
-
-
-def mount_realtime(app: FastAPI, router: Router, tokenizer, processor: MultiModalProcessor, *, model_name: str,
-                   max_model_len: int, default_max_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-                   api_key: str | None = None, metrics=None) -> RealtimeAPI:
-    """Add the ``/v1/realtime`` WebSocket to ``app`` (arguments: see ``RealtimeAPI``)."""
-    api = RealtimeAPI(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
-                      default_max_tokens=default_max_tokens, api_key=api_key, metrics=metrics)
-    app.add_api_websocket_route("/v1/realtime", api.serve)
-    return api

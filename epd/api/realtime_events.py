@@ -30,18 +30,20 @@ def new_id(prefix: str) -> str:
 
 
 class ClientError(Exception):
-    """A client event was rejected: becomes an ``error`` event (the session goes on)."""
+    """A client event was rejected: becomes an ``error`` event of type ``kind`` (the session goes on)."""
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value",
+                 kind: str = "invalid_request_error") -> None:
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.kind = param, code, kind
 
 
 # ---- client events (OpenAI's shapes; fields epd does not use are ignored) -----------------------
 class LooseEvent(BaseModel):
-    """Base of the client event shapes: unknown fields are ignored (an event with no fields of its own)."""
+    """Base of the client event shapes: unknown fields are ignored (an event with no fields of its own);
+    types are strict, as in the HTTP bodies (``"temperature": "0.5"`` is an error, ``0`` a number)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _Format(LooseEvent):

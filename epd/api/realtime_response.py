@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import uuid
 
-from epd.api.chat_prompt import flatten, template_takes_parts
+from epd.api.chat_prompt import LiteralText, flatten, template_takes_parts
 from epd.api.realtime_events import ClientError, Item, Part, ResponseState, new_id
 from epd.api.segmenter import PhraseSegmenter
 from epd.api.streaming import RequestTimer
@@ -33,22 +33,24 @@ class ConversationPrompt:
         self.audio_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["audio"])
                           if self.embed_audio else AUDIO_PLACEHOLDER)
         self.structured = template_takes_parts(tokenizer, None, self.audio_tok if self.embed_audio else None)
+        self.literal = LiteralText(tokenizer, processor.placeholder_ids)  # typed placeholders stay text
 
     async def messages(self, items: list[Item], instructions: str | None) -> tuple[list[dict], list]:
         """Chat messages of ``items`` (transcripts awaited) and their audio clips, in order."""
-        msgs: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+        escape = self.literal.escape
+        msgs: list[dict] = [{"role": "system", "content": escape(instructions)}] if instructions else []
         audios = []
         for it in items:
             parts = []
             for p in it.parts:
                 if p.type != "input_audio":
-                    parts.append({"type": "text", "text": p.text or ""})
+                    parts.append({"type": "text", "text": escape(p.text or "")})
                 elif self.embed_audio:
                     audios.append((p.pcm, p.rate))
                     parts.append({"type": "audio"})
                 else:
                     text = await asyncio.shield(p.asr) if p.asr is not None else (p.transcript or "")
-                    parts.append({"type": "text", "text": text})
+                    parts.append({"type": "text", "text": escape(text)})
             if it.role == "assistant" and not any(p.get("text") for p in parts):
                 continue  # an answer cancelled before its first word
             msgs.append({"role": it.role, "content": flatten(parts, None, self.audio_tok, self.structured)})
@@ -71,7 +73,7 @@ class ConversationPrompt:
                 text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # jinja raises for conversations the template rejects
                 raise ClientError(f"the model's chat template rejected the conversation: {e}") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.literal.encode(text)
             processed = self.processor.process(ids, {"audio": audios} if audios else None)
             n = len(processed.prompt_token_ids)
             want = 1 if resp.max_output_tokens == "inf" else resp.max_output_tokens
@@ -247,12 +249,13 @@ class Transcriber:
     async def _transcribe(self, item: Item, idx: int, part: Part) -> str:
         """The clip's transcript from the E pool. A pool that is down (503: e.g. its
         worker missed heartbeats on a busy machine) is retried for ``ASR_RETRY_S``."""
+        rid = new_id("asr")  # the server's own: a client's item id is the client's, not unique across sessions
         try:
             media = self.api.processor.audio_item((part.pcm, part.rate))
             deadline = asyncio.get_running_loop().time() + ASR_RETRY_S
             for attempt in itertools.count():
                 try:
-                    (text,) = await self.api.router.transcribe(f"{item.id}-asr{idx}.{attempt}", [media])
+                    (text,) = await self.api.router.transcribe(f"{rid}.{attempt}", [media])
                     break
                 except RequestError as e:
                     if e.status != 503 or asyncio.get_running_loop().time() > deadline:

@@ -62,12 +62,14 @@ def api_settings(config: LaunchConfig):
     from epd.api.server import ApiSettings
 
     domains = [d for d in config.allowed_media_domains.split(",") if d.strip()]
+    origins = [o.strip() for o in config.allowed_origins.split(",") if o.strip()]
     return ApiSettings(api_key=config.api_key or os.environ.get("EPD_API_KEY") or None,
                        max_body_bytes=int(config.max_body_mb * 2**20),
                        max_pending_requests=config.max_pending_requests,
                        max_n=config.max_n, allowed_media_domains=tuple(domains),
                        media_fetch_timeout_s=config.media_fetch_timeout,
-                       max_media_bytes=int(config.max_media_mb * 2**20))
+                       max_media_bytes=int(config.max_media_mb * 2**20),
+                       max_realtime_sessions=config.max_realtime_sessions, allowed_origins=tuple(origins))
 
 
 async def serve(plan, model_dir: Path, config: LaunchConfig, t0: float, worker_args: list[str],

@@ -16,6 +16,7 @@ media), ``completions`` (bodies -> router requests), ``streaming`` (answers, SSE
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -28,35 +29,49 @@ from epd.api.chat_prompt import ChatPromptRenderer
 from epd.api.completions import ApiState, CompletionService
 from epd.api.logprobs import LogprobFormatter
 from epd.api.media_fetch import MediaFetcher
-from epd.api.protocol import ChatRequest, CompletionRequest, error_body, error_response
+from epd.api.protocol import (ChatRequest, CompletionRequest, error_body, error_response, invalid_field,
+                              too_many_requests)
 from epd.api.streaming import CompletionResponder
 from epd.encoders.processor import MultiModalProcessor
+from epd.launch_config import LaunchConfig
 from epd.router.router import Router
 
 __all__ = ["ApiSettings", "GuardMiddleware", "build_http_app", "error_body", "error_response"]
 
+logger = logging.getLogger(__name__)
+
+
+_LAUNCH = LaunchConfig()  # the launch flags' defaults are the defaults here too
+
 
 @dataclass(slots=True)
 class ApiSettings:
-    """Limits and switches of the HTTP front end (``epd launch`` flags).
+    """Limits and switches of the HTTP and realtime front end (``epd launch`` flags).
 
-    api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <key>`` (else 401).
+    api_key: when set, every ``/v1`` and ``/epd`` request, and the ``/v1/realtime``
+        handshake, needs ``Authorization: Bearer <key>`` (else 401 / close code 1008).
     max_body_bytes: larger request bodies get 413.
-    max_pending_requests: requests in flight at once (streams included); more get 429.
+    max_pending_requests: requests in flight at once (streams and realtime responses
+        included); more get 429 (a realtime response: an ``error`` event).
     max_n: largest ``n`` (choices per request).
     allowed_media_domains: hosts whose http(s) media URLs are fetched (empty: none).
-    media_fetch_timeout_s / max_media_bytes: limits of one fetch.
+    media_fetch_timeout_s / max_media_bytes: limits of one fetch (seconds, bytes).
+    max_realtime_sessions: ``/v1/realtime`` sessions open at once; more are closed with code 1013.
+    allowed_origins: browser origins (``scheme://host[:port]``, or ``*``) that may open
+        ``/v1/realtime``; a handshake with any other ``Origin`` header gets 403.
     default_max_tokens: ``max_tokens`` when the request gives none (capped by the context
         left); None: the whole context left, as OpenAI and vLLM do.
     """
 
     api_key: str | None = None
-    max_body_bytes: int = 64 * 2**20
-    max_pending_requests: int = 256
-    max_n: int = 8
+    max_body_bytes: int = int(_LAUNCH.max_body_mb * 2**20)
+    max_pending_requests: int = _LAUNCH.max_pending_requests
+    max_n: int = _LAUNCH.max_n
     allowed_media_domains: tuple[str, ...] = ()
-    media_fetch_timeout_s: float = 10.0
-    max_media_bytes: int = 20 * 2**20
+    media_fetch_timeout_s: float = _LAUNCH.media_fetch_timeout
+    max_media_bytes: int = int(_LAUNCH.max_media_mb * 2**20)
+    max_realtime_sessions: int = _LAUNCH.max_realtime_sessions
+    allowed_origins: tuple[str, ...] = ()
     default_max_tokens: int | None = None
 
 
@@ -68,23 +83,36 @@ def _too_large(settings: ApiSettings) -> JSONResponse:
     return error_response(413, f"the request body is over the {settings.max_body_bytes}-byte limit")
 
 
-class GuardMiddleware:
-    """ASGI middleware: API key check on ``/v1`` (401) and the body size limit (413,
-    counted on the bytes actually received, so chunked bodies are limited too)."""
+#: the paths behind the API key: the OpenAI routes and the operator's ``/epd/workers`` (it asks every worker)
+_KEYED_PATHS = ("/v1/", "/epd/")
 
-    def __init__(self, app, settings: ApiSettings) -> None:
-        self.app, self.settings = app, settings
+
+#: the routes that start a request (counted against ``max_pending_requests``)
+_GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+class GuardMiddleware:
+    """ASGI middleware: API key check on ``/v1`` and ``/epd`` (401), the pending-request
+    limit decided before the body is read (429 with ``Retry-After``; ``state``: the
+    requests in flight), and the body size limit (413, counted on the bytes actually
+    received, so chunked bodies are limited too)."""
+
+    def __init__(self, app, settings: ApiSettings, state: ApiState | None = None) -> None:
+        self.app, self.settings, self.state = app, settings, state
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         s = self.settings
         headers = dict(scope.get("headers") or [])
-        if s.api_key and scope["path"].startswith("/v1/"):
+        if s.api_key and scope["path"].startswith(_KEYED_PATHS):
             auth = headers.get(b"authorization", b"").decode("latin-1")
             if not api_key_ok(auth, s.api_key):
                 resp = error_response(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'")
                 return await resp(scope, receive, send)
+        if (self.state is not None and scope["path"] in _GENERATE_PATHS
+                and self.state.pending >= s.max_pending_requests):  # refuse before reading up to 64 MB
+            return await too_many_requests(s.max_pending_requests)(scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > s.max_body_bytes):
             return await _too_large(s)(scope, receive, send)
@@ -115,14 +143,8 @@ def _add_error_handlers(app: FastAPI, settings: ApiSettings) -> None:
             return error_response(400, "invalid request")
         if any(e.get("type") == "json_invalid" for e in errs):
             return error_response(400, "the request body is not valid JSON")
-        e = max(errs, key=lambda e: len(e.get("loc", ())))  # a union's deepest branch says the most
-        loc: list[str] = []
-        for x in e.get("loc", ()):  # drop "body" and pydantic's union branch names; keep field names
-            x = str(x)
-            if x != "body" and "[" not in x and x not in ("str", "int", "float", "list") and loc[-1:] != [x]:
-                loc.append(x)
-        return error_response(400, f"invalid request: {e.get('msg')} at {'.'.join(loc) or 'body'}",
-                              loc[0] if loc else None)
+        msg, loc = invalid_field(errs)
+        return error_response(400, f"invalid request: {msg} at {'.'.join(loc) or 'body'}", loc[0] if loc else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -133,6 +155,11 @@ def _add_error_handlers(app: FastAPI, settings: ApiSettings) -> None:
     @app.exception_handler(_BodyTooLarge)
     async def on_too_large(request: Request, exc: _BodyTooLarge):
         return _too_large(settings)
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(request: Request, exc: Exception):
+        logger.exception("internal error answering %s", request.url.path)
+        return error_response(500, f"internal server error ({type(exc).__name__}); the request was not completed")
 
 
 def _add_routes(app: FastAPI, service: CompletionService, router: Router, state: ApiState, *, model_name: str,
@@ -176,19 +203,20 @@ def _add_routes(app: FastAPI, service: CompletionService, router: Router, state:
 
 def build_http_app(router: Router, tokenizer, processor: MultiModalProcessor, *, model_name: str,
                    max_model_len: int, settings: ApiSettings, metrics_render=None, metrics=None,
-                   vocab_size: int | None = None) -> FastAPI:
+                   vocab_size: int | None = None, state: ApiState | None = None) -> FastAPI:
     """The FastAPI app of the HTTP routes (no ``/v1/realtime``: see ``epd.api.app.build_app``).
 
     ``metrics_render() -> (bytes, content_type)`` serves /metrics; ``metrics``
     (``epd.metrics.Metrics``) records per-request latencies; ``settings`` holds the
-    limits; ``vocab_size`` bounds token-id prompts (default: the tokenizer's length).
+    limits; ``vocab_size`` bounds token-id prompts (default: the tokenizer's length);
+    ``state``: the requests in flight, shared with ``/v1/realtime`` (default: a new one).
     """
     vocab_size = vocab_size or len(tokenizer)
     app = FastAPI(title="epd", version="0.1.0")
-    app.add_middleware(GuardMiddleware, settings=settings)
+    state = state or ApiState()
+    app.add_middleware(GuardMiddleware, settings=settings, state=state)
     fetcher = MediaFetcher(settings.allowed_media_domains, max_bytes=settings.max_media_bytes,
                            timeout_s=settings.media_fetch_timeout_s)
-    state = ApiState()
     service = CompletionService(tokenizer, processor, ChatPromptRenderer(router, tokenizer, processor, fetcher),
                                 CompletionResponder(router, model_name, LogprobFormatter(tokenizer)), state,
                                 settings=settings, model_name=model_name, max_model_len=max_model_len,

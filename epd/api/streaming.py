@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 from fastapi import Request
@@ -18,6 +19,8 @@ from epd.api.logprobs import LogprobFormatter
 from epd.api.protocol import SamplingFields, error_body
 from epd.detokenizer import IncrementalDetokenizer
 from epd.router.router import RequestError, Router, RouterRequest, TokenEvent
+
+logger = logging.getLogger(__name__)
 
 
 class RequestTimer:
@@ -246,6 +249,9 @@ class _SseStream:
                     await self.queue.put(out)
         except RequestError as e:
             await self.queue.put(e)
+        except Exception as e:  # noqa: BLE001 - our fault: the client gets an error event, not a silent end
+            logger.exception("stream %s failed", self.rid)
+            await self.queue.put(RequestError(f"internal server error ({type(e).__name__}: {e})", status=500))
         finally:
             await self.queue.put(None)
 

@@ -18,7 +18,7 @@ from epd.engine.model_runner import (KVConnectorHooks, ModelRunner, build_step_i
                                      tp_worker_main)
 from epd.engine.scheduler import Scheduler
 from epd.errors import InvalidRequestError
-from epd.layers.sampler import Sampler, token_logprobs
+from epd.layers.sampler import Sampler, skip_draws, token_logprobs
 from epd.outputs import CompletionOutput, RequestOutput
 from epd.sampling_params import SamplingParams
 from epd.multimodal import Placeholder
@@ -142,6 +142,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                        mm_placeholders=mm_placeholders, mm_embeddings=mm_embeddings)
+        skip_draws(seq, params.num_prior_output_tokens, self.vocab_size)  # a resumed request's earlier draws
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), stop=list(params.stop),
@@ -153,7 +154,8 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``InvalidRequestError`` if the request can never run."""
+        """Raise ``InvalidRequestError`` if the request can never run (also: a resumed
+        request's ``num_prior_output_tokens`` must leave at least one prompt token)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         n = len(prompt_token_ids)
@@ -163,6 +165,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens but this model's max_model_len is {self.config.max_model_len}: "
                 f"shorten the prompt to at most {self.config.max_model_len - 1} tokens", "prompt")
+        if params.num_prior_output_tokens >= n:
+            raise InvalidRequestError(f"num_prior_output_tokens ({params.num_prior_output_tokens}) must be less "
+                                      f"than the prompt's {n} tokens", "num_prior_output_tokens")
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
@@ -192,8 +197,9 @@ class LLMEngine:
         per-layer hook and staging packs (``StepKV``, see ``epd.engine.model_runner``).
         """
         sched = self.scheduler.schedule()
+        failed = [self._failed(seq) for seq in sched.failed]
         if not sched.scheduled:
-            return []
+            return failed
         step, mm_embeds = build_step_input(sched, self.config.block_size)
         kv = self.kv_connector.build_step(sched) if self.kv_connector is not None else None
         hook = None
@@ -210,7 +216,14 @@ class LLMEngine:
                 if lp is not None:
                     seq.output_logprobs.append(lp)
         changed = self.scheduler.update(sched, sampled)
-        return [self._process(self._by_seq_id[seq.seq_id]) for seq in changed]
+        return failed + [self._process(self._by_seq_id[seq.seq_id]) for seq in changed]
+
+    def _failed(self, seq: Sequence) -> RequestOutput:
+        """The final output of a sequence the scheduler ended with finish_reason
+        ``"error"`` (a decode worker lost its media KV: ``epd.engine.scheduler``)."""
+        req = self.requests.pop(seq.request_id)
+        self._by_seq_id.pop(seq.seq_id, None)
+        return self._output(req, True)
 
     def _process(self, req: _Request) -> RequestOutput:
         seq = req.seq
@@ -244,8 +257,8 @@ class LLMEngine:
         self.scheduler.finish(seq, reason, stop_reason, free=not keep)
 
     # ---- decode side of a KV transfer -----------------------------------------
-    def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
-                           params: SamplingParams) -> list[int] | None:
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           mm_placeholders: list[Placeholder] | None = None) -> list[int] | None:
         """Queue a request whose prompt KV another instance will write.
 
         Its sequence waits in ``WAITING_FOR_REMOTE_KV`` with blocks for the whole
@@ -253,15 +266,25 @@ class LLMEngine:
         None when there is no room now (nothing changed). ``add_prefilled`` makes it
         run; ``abort_request`` frees it.
 
+        ``mm_placeholders``: the prompt's media spans. The sequence keeps them
+        without embeddings (those stay with the prefill side): their item hashes key
+        its blocks, and the scheduler never recomputes its media positions (see
+        ``epd.engine.scheduler``).
+
         Raises:
-            InvalidRequestError: as ``add_request``.
+            InvalidRequestError: as ``add_request``; a placeholder outside the prompt.
         """
         self.validate(prompt_token_ids, params)
         if request_id in self.requests or request_id in self.scheduler.waiting_for_remote_kv:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+        placeholders = list(mm_placeholders or [])
+        if any(p.offset < 0 or p.length < 1 or p.offset + p.length > len(prompt_token_ids) for p in placeholders):
+            raise InvalidRequestError("a media placeholder lies outside the prompt", "placeholders")
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        seq.mm_placeholders = placeholders  # no embeddings here: set after the constructor's check
         if not self.scheduler.add_remote(seq):
             return None
+        skip_draws(seq, params.num_prior_output_tokens, self.vocab_size)  # a resumed request's earlier draws
         return list(seq.block_table)
 
     def add_prefilled(self, request_id: str, first_token: int) -> RequestOutput:
@@ -276,8 +299,7 @@ class LLMEngine:
         """
         seq = self.scheduler.waiting_for_remote_kv[request_id]
         seq.token_ids.append(first_token)
-        if seq.generator is not None and not seq.params.greedy:
-            torch.empty(self.vocab_size).exponential_(generator=seq.generator)
+        skip_draws(seq, 1, self.vocab_size)
         seq.num_cached_tokens = 0
         self.scheduler.remote_kv_ready(request_id)
         req = _Request(seq, None, None)

@@ -8,6 +8,29 @@ running sequence is preempted: its blocks are freed and it goes back to the
 front of the queue to be recomputed later. Source: vLLM v1
 ``core/sched/scheduler.py`` (unified prefill/decode token budget), nano-vllm
 ``Scheduler``.
+
+Sequences that cannot be recomputed. On a decode worker a multimodal sequence has
+its media spans (``mm_placeholders``, whose item hashes key its blocks) but not
+their embeddings: the encoder's buffers were read by the prefill worker and
+released. Recomputing its media positions would run bare placeholder-token
+embeddings through the LM (wrong tokens, silently), so:
+
+1. the victim is the newest running sequence that *can* be recomputed (text, or
+   with its embeddings);
+2. a sequence that cannot get a block and finds no such victim *stalls*: it keeps
+   its blocks and KV and gets no token this step (nor is anyone admitted), while
+   the others run and free blocks as they finish;
+3. only when a step could run nothing at all is the newest stalled sequence
+   preempted (else nothing would ever free). Its full blocks stay in the prefix
+   cache under hashes that include its item hashes (no other image's KV can
+   match), released tail first, so the blocks of its prompt's beginning (its
+   media) are evicted last;
+4. it is re-admitted only if the prefix cache still holds every block up to the
+   end of its last media span: then only text positions are recomputed, from
+   token embeddings (exact). Otherwise it ends with finish_reason ``"error"``
+   (``SchedulerOutput.failed``; with prefix caching off, always): its media KV is
+   gone and cannot be rebuilt here; only a new attempt that encodes its media
+   again can finish the request.
 """
 
 from __future__ import annotations
@@ -36,10 +59,25 @@ class ScheduledSeq:
         return self.start + self.num_tokens == self.seq.num_tokens
 
 
+def can_recompute(seq: Sequence) -> bool:
+    """Whether preemption by recompute can rebuild ``seq``'s KV: it has no media
+    spans, or it holds their embeddings (not so on a decode worker)."""
+    return len(seq.mm_embeddings) == len(seq.mm_placeholders)
+
+
+def media_end(seq: Sequence) -> int:
+    """Position after ``seq``'s last media placeholder token (0: none)."""
+    return max((p.offset + p.length for p in seq.mm_placeholders), default=0)
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
+    """``failed``: sequences this step ended with finish_reason ``"error"`` (their
+    media KV was lost; see the module docstring), already finished and freed."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     num_preempted: int = 0
+    failed: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -95,36 +133,57 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
-        preempted = False
-
         # 1. Running sequences: decodes and unfinished chunked prefills.
+        budget, stalled = self._schedule_running(out, self.max_num_batched_tokens)
+        if stalled and not out.scheduled:
+            # Nothing could run: the newest stalled sequence must give its blocks up
+            # (rule 3 of the module docstring); the others try again.
+            self._preempt(stalled[-1], out)
+            budget, stalled = self._schedule_running(out, budget)
+        # 2. Waiting sequences (not in a step that had to preempt or stall).
+        if not out.num_preempted and not stalled:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence]]:
+        """Schedule the running sequences in order, preempting for blocks (rules 1-2 of
+        the module docstring). Returns the budget left and the sequences that stalled."""
+        stalled: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            victim = None
             while not self.block_manager.allocate_slots(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                out.num_preempted += 1
+                # Sequences before ``i`` are already in this step: never victims.
+                victim = next((s for s in reversed(self.running[i:]) if can_recompute(s)), None)
+                if victim is None:
+                    break
+                self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
                 out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
-                scheduled_ids.add(seq.seq_id)
                 budget -= num_new
                 i += 1
                 continue
-            # ``seq`` itself was preempted; it was the last running sequence.
-            break
+            if victim is None:  # no sequence it may preempt: it waits, keeping its KV
+                stalled.append(seq)
+                i += 1
+            # else ``seq`` preempted itself: ``running[i]`` is already the next one.
+        return budget, stalled
 
-        # 2. Waiting sequences (not in a step that had to preempt).
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit queued sequences in order while budget, ``max_num_seqs`` and blocks
+        allow; one whose media KV is gone fails (rule 4 of the module docstring)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             computed = self.block_manager.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
             num_computed = len(computed) * self.block_manager.block_size
+            if not can_recompute(seq) and num_computed < media_end(seq):
+                self.finish(seq, "error")
+                out.failed.append(seq)
+                continue
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self.block_manager.allocate_slots(seq, num_new, computed):
                 break
@@ -137,9 +196,10 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_computed, num_new))
             budget -= num_new
-        return out
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        out.num_preempted += 1
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -5,7 +5,10 @@ Greedy rows take the argmax. Random rows draw with the exponential-race trick
 ``TopKTopPSampler`` does; a seeded request draws its noise from its own
 ``torch.Generator`` so its tokens do not depend on the rest of the batch.
 Penalties follow the OpenAI API: logit -= presence * [count > 0] + frequency * count
-over the tokens generated so far.
+over the tokens generated so far (``Sequence.all_output_token_ids``: a resumed
+request's prior output included). ``skip_draws`` advances a seeded request's
+generator as the sampler's draws would (a resumed request, or the prefill
+worker's first token).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Sampler:
             sub = sub.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
         probs = sub.softmax(dim=-1)
         noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):
+        for j, i in enumerate(rows):  # one draw: a [vocab] fp32 row (skip_draws replays it)
             gen = seqs[i].generator or self.generator
             noise[j].exponential_(generator=gen)
         out[rows] = (probs / noise).argmax(dim=-1)
@@ -63,13 +66,25 @@ class Sampler:
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         counts = torch.zeros_like(logits)
         for i, s in enumerate(seqs):
-            out_ids = s.output_token_ids
+            out_ids = s.all_output_token_ids
             if out_ids:
                 ids = torch.tensor(out_ids, dtype=torch.long)
                 counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
         presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
         frequency = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
         return logits - presence * (counts > 0) - frequency * counts
+
+
+def skip_draws(seq: Sequence, num_draws: int, vocab_size: int) -> None:
+    """Advance ``seq``'s own generator past ``num_draws`` of the sampler's draws
+    (one [vocab_size] fp32 exponential row per sampled token), so it samples as if it
+    had drawn them itself. Nothing for a greedy or unseeded request (it draws none
+    from its own generator)."""
+    if seq.generator is None or seq.params.greedy:
+        return
+    row = torch.empty(vocab_size)
+    for _ in range(num_draws):
+        row.exponential_(generator=seq.generator)
 
 
 def token_logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[TokenLogprobs | None]:

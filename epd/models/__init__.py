@@ -16,8 +16,15 @@ MODEL_REGISTRY = {
 }
 
 
-# Multimodal checkpoints whose LM half (``text_config``) epd runs itself.
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2AudioForConditionalGeneration")
+# Multimodal checkpoints whose LM half (``text_config``) epd runs itself -> whether that
+# class ties its ``lm_head`` to the input embeddings when its (top-level) config says so.
+# transformers 5 ties only through a class's ``_tied_weights_keys``
+# (``PreTrainedModel.get_expanded_tied_weights_keys``): LlavaForConditionalGeneration has
+# them (and LlavaConfig raises its flag to the text config's True);
+# Qwen2AudioForConditionalGeneration has none and keeps its own ``lm_head`` whatever
+# its text config says. tests/engine/test_tied_embeddings.py checks this table.
+_MULTIMODAL_TIES = {"LlavaForConditionalGeneration": True, "Qwen2AudioForConditionalGeneration": False}
+MULTIMODAL_ARCHITECTURES = tuple(_MULTIMODAL_TIES)
 _TEXT_MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                      "qwen3": Qwen3ForCausalLM}
 
@@ -39,3 +46,14 @@ def get_model_class(config: PretrainedConfig):
                 return _TEXT_MODEL_TYPES[text_type]
     raise ValueError(f"unsupported architecture {archs or None}; epd serves "
                      f"{sorted(MODEL_REGISTRY) + list(MULTIMODAL_ARCHITECTURES)}")
+
+
+def ties_word_embeddings(config: PretrainedConfig) -> bool:
+    """Whether the LM's output head is its input embedding matrix for this checkpoint
+    config, decided as transformers decides it for the whole model: a text-only
+    checkpoint by its ``tie_word_embeddings``; a multimodal one by the class that owns
+    ``lm_head`` and the top-level flag, never by its ``text_config`` alone."""
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in _MULTIMODAL_TIES:
+            return _MULTIMODAL_TIES[arch] and bool(getattr(config, "tie_word_embeddings", False))
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))

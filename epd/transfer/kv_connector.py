@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,9 +40,9 @@ import torch
 
 from epd.engine.model_runner import StepKV
 from epd.engine.scheduler import SchedulerOutput
-from epd.errors import InvalidRequestError
-from epd.messages import (KVLayout, KVReady, KVReserved, Message, MessageError, PeerInfo, PrefillRequest,
-                          RequestFailed, ReserveKV, decode, encode)
+from epd.errors import InternalError, InvalidRequestError
+from epd.messages import (KVLayout, KVReady, KVReserved, KVWriterDone, Message, MessageError, PeerInfo,
+                          PrefillRequest, RequestFailed, ReserveKV, decode, encode)
 from epd.outputs import RequestOutput
 from epd.sequence import Sequence
 from epd.transfer.nixl_transport import NixlTransport, Transfer, TransferError, block_regions
@@ -81,8 +82,7 @@ class KVSender(abc.ABC):
         room right now (nothing changed; try again when ``has_room``).
 
         Raises:
-            InvalidRequestError: unknown decode instance, or a TP pair the two sides
-                cannot stage.
+            InternalError: unknown decode instance, or a TP pair the two sides cannot stage.
             StagingPoolError: the prompt can never fit the staging pool.
         """
 
@@ -109,8 +109,15 @@ class KVSender(abc.ABC):
         """Monotonic time the request's first chunk was scheduled (0: not yet)."""
 
     @abc.abstractmethod
-    def abort(self, request_id: str) -> None:
-        """Forget a request wherever it is; frees what the sender holds. Unknown ids are ignored."""
+    def abort(self, request_id: str) -> bool:
+        """Forget a request wherever it is; frees what the sender holds and, once none of
+        its writes can land any more, tells the decode side (``KVWriterDone``). Returns
+        False for an id the sender does not hold (nothing done)."""
+
+    @abc.abstractmethod
+    def decline(self, req: PrefillRequest) -> None:
+        """Tell ``req``'s decode instance that this sender will never write its blocks
+        (a request dropped before ``add`` took it)."""
 
     @abc.abstractmethod
     def stats(self) -> dict[str, float]:
@@ -131,12 +138,17 @@ class KVReceiver(abc.ABC):
         outputs of requests whose KV arrived and whose first token already ended them."""
 
     @abc.abstractmethod
-    def abort(self, request_id: str) -> None:
-        """Drop a reservation; one whose KV may still be in flight is fenced first."""
+    def abort(self, request_id: str, kv_writer: str = "", kv_writer_pid: int = 0) -> None:
+        """Drop a reservation; one that writer ``kv_writer`` (process ``kv_writer_pid``) may
+        still be writing stays fenced until the writer is done or gone."""
+
+    @abc.abstractmethod
+    def writer_gone(self, instance_id: str, pid: int) -> None:
+        """A writer's process exited: nothing it was told to write can land any more."""
 
     @abc.abstractmethod
     def stats(self) -> dict[str, float]:
-        """``num_quarantined``: aborted reservations not yet free."""
+        """``num_quarantined``: aborted reservations still fenced for their writer."""
 
 
 # ---- NIXL: prefill side ----------------------------------------------------------------
@@ -153,6 +165,7 @@ class KVSend:
     decode_instance: str
     dst_block_ids: list[int]
     dst_staging_block: int
+    dst_generation: int
     arrival: float
     staging_block: int = -1
     prefill_start: float = 0.0
@@ -191,25 +204,30 @@ class NixlKVSender(KVSender):
         # Fault injection for recovery tests: the first N requests' KV writes fail
         # as a dead link would (TransferError), exercising --kv-failure-policy.
         self.inject_failures = int(os.environ.get("EPD_INJECT_KV_FAILURES", "0") or 0)
+        # ... and, for prompts of at least EPD_INJECT_KV_WRITE_DELAY_MIN_BLOCKS blocks, each
+        # layer after the first is written this many seconds late, as a long final prefill
+        # chunk on a slow machine would be (the stale-write tests).
+        self.inject_write_delay_s = float(os.environ.get("EPD_INJECT_KV_WRITE_DELAY_S", "0") or 0)
+        self.inject_write_delay_min_blocks = int(os.environ.get("EPD_INJECT_KV_WRITE_DELAY_MIN_BLOCKS", "0") or 0)
 
     def add(self, req: PrefillRequest, arrival: float) -> bool:
         if req.decode_instance not in self.peers:
-            raise InvalidRequestError(f"unknown decode instance {req.decode_instance!r}")
+            raise InternalError(f"unknown decode instance {req.decode_instance!r}")
         send = KVSend(req.request_id, req.decode_instance, list(req.decode_block_ids), req.decode_staging_block,
-                      arrival)
+                      req.decode_generation, arrival)
         d = self.peers[req.decode_instance].kv_layout
         if req.decode_staging_block < 0:
             if self.tp != 1 or d.tp != 1:
-                raise InvalidRequestError(
+                raise InternalError(
                     f"prefill TP {self.tp} -> decode TP {d.tp} needs staged KV, but decode instance "
                     f"{req.decode_instance} reserved no staging range (start it with --kv-staging-mb > 0)")
         else:
             if self.staging is None:
-                raise InvalidRequestError(
+                raise InternalError(
                     f"decode instance {req.decode_instance} expects staged KV, but prefill instance "
                     f"{self.instance_id} has no staging pool (start it with --kv-staging-mb > 0)")
             if d.staging_block_bytes != self.staging.region(0, 0, 1)[1]:
-                raise InvalidRequestError(f"decode instance {req.decode_instance} stages a different KV layout")
+                raise InternalError(f"decode instance {req.decode_instance} stages a different KV layout")
             start = self.staging.alloc(req.request_id, len(req.decode_block_ids))
             if start is None:
                 return False
@@ -269,6 +287,8 @@ class NixlKVSender(KVSender):
         return local, remote
 
     def _write_layer(self, send: KVSend, src: list[int], layer: int) -> None:
+        if self.inject_write_delay_s and layer > 0 and len(src) >= self.inject_write_delay_min_blocks:
+            time.sleep(self.inject_write_delay_s)
         t0 = time.monotonic()
         if not send.send_start:
             send.send_start = t0
@@ -302,15 +322,19 @@ class NixlKVSender(KVSender):
                         raise TransferError(f"KV write to {send.decode_instance} passed its "
                                             f"{self.timeout_s} s deadline")
                     continue
-                self.transport.send_notif(send.decode_instance, encode(KVReady(rid, send.first_token, src_tp=self.tp)))
+                self.transport.send_notif(send.decode_instance, encode(
+                    KVReady(rid, send.first_token, src_tp=self.tp, generation=send.dst_generation)))
             except TransferError as e:
                 failed.append((send, str(e)))
+                self.abort(rid)
             else:
                 done.append(send)
-            self.abort(rid)
+                self._drop(rid)
         return done, failed
 
-    def abort(self, request_id: str) -> None:
+    def _drop(self, request_id: str) -> KVSend | None:
+        """Forget a send: release its transfers (cancelling any still in flight: none of
+        its writes lands after this), its held blocks and its staging range."""
         send = self.sends.pop(request_id, None)
         if send is not None:
             for t in send.transfers:
@@ -320,6 +344,24 @@ class NixlKVSender(KVSender):
                 self._free_blocks(send.seq)
         if self.staging is not None:
             self.staging.free(request_id)
+        return send
+
+    def abort(self, request_id: str) -> bool:
+        send = self._drop(request_id)
+        if send is None:
+            return False
+        self._notify_never(send.decode_instance, request_id, send.dst_generation)
+        return True
+
+    def decline(self, req: PrefillRequest) -> None:
+        self._notify_never(req.decode_instance, req.request_id, req.decode_generation)
+
+    def _notify_never(self, decode_instance: str, request_id: str, generation: int) -> None:
+        try:
+            self.transport.send_notif(decode_instance, encode(KVWriterDone(request_id, generation)))
+        except TransferError as e:  # the decode worker is gone: nothing to fence there
+            logger.warning("prefill %s: could not tell %s that %s is dropped: %s", self.instance_id,
+                           decode_instance, request_id, e)
 
     def stats(self) -> dict[str, float]:
         held = sum(1 for s in self.sends.values() if s.seq is not None)
@@ -327,23 +369,42 @@ class NixlKVSender(KVSender):
 
 
 # ---- NIXL: decode side -------------------------------------------------------------------
+@dataclass(slots=True)
+class _Reservation:
+    """Blocks reserved for a prompt whose KV a prefill worker will write.
+
+    ``generation``: random id echoed by the writer's notifications; ``writer``:
+    (instance, pid) of the prefill worker the router told to write, once an abort
+    named it; ``writer_done``: that writer said it will never write (``KVWriterDone``).
+    """
+
+    blocks: list[int]
+    generation: int
+    aborted: bool = False
+    writer: tuple[str, int] | None = None
+    writer_done: bool = False
+
+
 class NixlKVReceiver(KVReceiver):
     """``KVReceiver`` over a ``NixlTransport``: reservations in arrival order, ``KVReady``
     notifications from prefill workers (sent only after every layer's write completed,
     so decode never runs on partial KV).
 
-    An aborted reservation whose KV never arrived is quarantined for ``quarantine_s``
-    before its blocks are free again: a prefill worker that was slow (or frozen) may
-    still be mid-write into them, and those bytes must not land in another request's blocks.
+    A reservation's blocks return to the pool only when no writer can write them any
+    more: an aborted reservation whose prefill worker was told to write (the router's
+    ``Abort`` names it) stays fenced until that worker's ``KVWriterDone`` (sent once
+    its send was dropped and every write of it ended) or until its process is gone
+    (``writer_gone``: the launcher saw it exit, or a restart replaced it). Every
+    notification must carry the reservation's random ``generation``, so a stale or
+    forged one never admits or frees a reservation.
     """
 
-    def __init__(self, engine, transport: NixlTransport, staging: StagingPool | None, instance_id: str, *,
-                 quarantine_s: float = 1.0) -> None:
+    def __init__(self, engine, transport: NixlTransport, staging: StagingPool | None, instance_id: str) -> None:
         self.engine, self.transport, self.staging = engine, transport, staging
-        self.instance_id, self.quarantine_s = instance_id, quarantine_s
+        self.instance_id = instance_id
         self.pending: deque[ReserveKV] = deque()
-        self.quarantine: deque[tuple[float, str]] = deque()  # (free at, request id), in time order
-        self.reserved: dict[str, list[int]] = {}  # request id -> its blocks, KV not arrived yet
+        self.reserved: dict[str, _Reservation] = {}  # request id -> reservation whose KV has not arrived
+        self._gone: set[tuple[str, int]] = set()  # writer processes known to have exited
 
     def add(self, msg: ReserveKV) -> list[Message]:
         self.pending.append(msg)
@@ -363,26 +424,28 @@ class NixlKVReceiver(KVReceiver):
                                      f"instance's staging pool has {self.staging.num_blocks}; raise --kv-staging-mb")
                 if self.staging is not None and not self.staging.can_alloc(n_staging):
                     return  # no staging room yet: retry once a staged request arrives or aborts
-                blocks = self.engine.add_remote_request(msg.request_id, list(msg.prompt_token_ids), msg.params)
+                blocks = self.engine.add_remote_request(msg.request_id, list(msg.prompt_token_ids), msg.params,
+                                                        mm_placeholders=list(msg.placeholders))
             except (InvalidRequestError, ValueError) as e:
                 self.pending.popleft()
-                out.append(RequestFailed(msg.request_id, self.instance_id, str(e)))
+                out.append(RequestFailed(msg.request_id, self.instance_id, str(e), status=400))
                 continue
             if blocks is None:
                 return  # no room yet: keep order, retry after the next step frees blocks
             self.pending.popleft()
-            self.reserved[msg.request_id] = blocks
+            res = _Reservation(blocks, secrets.randbits(63))
+            self.reserved[msg.request_id] = res
             staging_block = self.staging.alloc(msg.request_id, n_staging) if self.staging is not None else -1
-            out.append(KVReserved(msg.request_id, self.instance_id, blocks, staging_block))
+            out.append(KVReserved(msg.request_id, self.instance_id, blocks, staging_block, res.generation))
 
     def _admit(self, msg: KVReady) -> RequestOutput:
         """Unpack a staged request's KV into its blocks on every TP rank (before it joins
         the batch), free its staging range, and run it."""
-        blocks = self.reserved.pop(msg.request_id)
+        res = self.reserved.pop(msg.request_id)
         owned = self.staging.owned(msg.request_id) if self.staging is not None else None
         if owned is not None:
             start, n = owned
-            self.engine.runner.unpack_kv(start, blocks[:n], msg.src_tp)
+            self.engine.runner.unpack_kv(start, res.blocks[:n], msg.src_tp)
             self.staging.free(msg.request_id)
         return self.engine.add_prefilled(msg.request_id, msg.first_token)
 
@@ -392,10 +455,22 @@ class NixlKVReceiver(KVReceiver):
         if self.staging is not None:
             self.staging.free(request_id)
 
+    def _notification(self, msg: KVReady | KVWriterDone) -> RequestOutput | None:
+        res = self.reserved.get(msg.request_id)
+        if res is None or res.generation != msg.generation:
+            return None  # stale (an earlier reservation, already released) or forged
+        if isinstance(msg, KVWriterDone):
+            res.writer_done = True
+            if res.aborted:
+                self._release(msg.request_id)
+            return None
+        if res.aborted:  # complete KV for a request the router gave up: its blocks are safe to free now
+            self._release(msg.request_id)
+            return None
+        out = self._admit(msg)
+        return out if out.finished else None  # the first token already ended it (EOS, max_tokens=1, ...)
+
     def poll(self) -> tuple[list[Message], list[RequestOutput]]:
-        now = time.monotonic()
-        while self.quarantine and self.quarantine[0][0] <= now:
-            self._release(self.quarantine.popleft()[1])
         replies: list[Message] = []
         if self.pending:
             self._reserve_pending(replies)
@@ -407,20 +482,28 @@ class NixlKVReceiver(KVReceiver):
                 except MessageError as e:
                     logger.warning("decode %s: bad notification from %s: %s", self.instance_id, peer, e)
                     continue
-                if (isinstance(msg, KVReady) and msg.request_id in self.reserved
-                        and not any(rid == msg.request_id for _, rid in self.quarantine)):
-                    out = self._admit(msg)
-                    if out.finished:  # the first token already ended it (EOS, max_tokens=1, ...)
-                        finished.append(out)
+                if isinstance(msg, (KVReady, KVWriterDone)) and (out := self._notification(msg)) is not None:
+                    finished.append(out)
         return replies, finished
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, kv_writer: str = "", kv_writer_pid: int = 0) -> None:
+        """Drop ``request_id``. A reservation whose writer (``kv_writer``, process
+        ``kv_writer_pid``; "" = none was told) may still write stays fenced (see the class)."""
         self.pending = deque(m for m in self.pending if m.request_id != request_id)
-        if request_id in self.reserved:  # KV may still be in flight into these blocks
-            if all(rid != request_id for _, rid in self.quarantine):
-                self.quarantine.append((time.monotonic() + self.quarantine_s, request_id))
+        res = self.reserved.get(request_id)
+        if res is not None and kv_writer and not res.writer_done and (kv_writer, kv_writer_pid) not in self._gone:
+            res.aborted = True
+            res.writer = (kv_writer, kv_writer_pid)
             return
         self._release(request_id)
 
+    def writer_gone(self, instance_id: str, pid: int) -> None:
+        """The process ``pid`` of prefill instance ``instance_id`` exited: it writes nothing
+        any more, so the reservations fenced for it are free."""
+        self._gone.add((instance_id, pid))
+        for rid, res in list(self.reserved.items()):
+            if res.aborted and res.writer == (instance_id, pid):
+                self._release(rid)
+
     def stats(self) -> dict[str, float]:
-        return {"num_quarantined": len(self.quarantine)}
+        return {"num_quarantined": sum(1 for r in self.reserved.values() if r.aborted)}

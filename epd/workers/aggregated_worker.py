@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from epd.errors import InvalidRequestError
-from epd.messages import GenerateRequest, Message, RequestFailed
+from epd.messages import GenerateRequest, Message
 from epd.roles import Role
-from epd.transfer.nixl_transport import TransferError
 from epd.workers.engine_worker import EngineWorker
 
 
@@ -27,8 +25,8 @@ class AggregatedWorker(EngineWorker):
             if msg.placeholders:
                 kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}
             self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params, **kw)
-        except (InvalidRequestError, ValueError, KeyError, TransferError) as e:
-            self.send(RequestFailed(msg.request_id, self.instance_id, str(e), retryable=isinstance(e, TransferError)))
+        except Exception as e:  # noqa: BLE001 - every failure is reported, saying who failed
+            self.fail(msg.request_id, e)
 
     def step(self) -> None:
         self.stream_step()

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from epd.messages import (Abort, Heartbeat, Message, MessageError, PeerInfo, Region, RequestFailed, Shutdown,
-                          StatsRequest, WorkerReady, WorkerStats, decode, encode)
+from epd.messages import (Abort, Heartbeat, Message, MessageError, PeerGone, PeerInfo, Region, RequestFailed,
+                          Shutdown, StatsRequest, WorkerReady, WorkerStats, decode, encode)
+from epd.errors import CapacityError, error_status
 from epd.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class BaseWorker:
         self._last_hb: Heartbeat | None = None
         self._last_tick = time.monotonic()
         self._frozen_at = 0.0
+        self._hb_seq = 0
+        self._injected = 0  # faults injected so far (EPD_INJECT_HANDLER_ERROR)
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
 
@@ -135,16 +138,35 @@ class BaseWorker:
         been retried elsewhere by the router and must not touch a peer any more."""
         return self._frozen_at > t or time.monotonic() - self._last_tick > FREEZE_S
 
+    def _inject_fault(self, msg: Message) -> None:
+        """Fault injection for the error-attribution tests: ``EPD_INJECT_HANDLER_ERROR`` =
+        ``<message type>:<internal|capacity>:<count>`` makes handling the first ``count``
+        messages of that type raise ``InternalError`` / ``CapacityError`` here."""
+        spec = os.environ.get("EPD_INJECT_HANDLER_ERROR", "")
+        if not spec:
+            return
+        kind_name, fault, count = spec.split(":")
+        if type(msg).__name__ != kind_name or self._injected >= int(count):
+            return
+        self._injected += 1
+        from epd.errors import InternalError
+
+        raise (CapacityError if fault == "capacity" else InternalError)(f"injected {fault} fault")
+
     def handle(self, msg: Message) -> None:
+        self._inject_fault(msg)
         if isinstance(msg, PeerInfo):
             old = self.peers.get(msg.instance_id)
             if old is None or old.nixl_metadata != msg.nixl_metadata:  # new, or restarted under the same id
                 if old is not None:  # NIXL refuses a second agent under one name: drop the dead one first
                     self.transport.remove_peer(msg.instance_id)
+                    self.peer_gone(old.instance_id, old.pid)  # a restart replaced that process
                 self.transport.add_peer(msg.nixl_metadata, msg.regions)
             self.peers[msg.instance_id] = msg
+        elif isinstance(msg, PeerGone):
+            self.peer_gone(msg.instance_id, msg.pid)
         elif isinstance(msg, Abort):
-            self.abort(msg.request_id)
+            self.on_abort(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
         elif isinstance(msg, StatsRequest):
@@ -164,6 +186,24 @@ class BaseWorker:
 
     def poll(self) -> None:
         pass
+
+    def fail(self, request_id: str, exc: BaseException, *, kind: str = "", prefix: str = "") -> None:
+        """Tell the router ``request_id`` failed here with ``exc``, saying who failed
+        (``epd.errors.error_status``: 400 the request, 503 capacity, 500 epd) and whether
+        another instance may succeed (transfer and capacity failures)."""
+        from epd.transfer.nixl_transport import TransferError
+
+        msg = str(exc) if isinstance(exc, (ValueError, CapacityError, TransferError)) else f"{type(exc).__name__}: {exc}"
+        self.send(RequestFailed(request_id, self.instance_id, prefix + msg,
+                                retryable=isinstance(exc, (TransferError, CapacityError)), kind=kind,
+                                status=error_status(exc)))
+
+    def peer_gone(self, instance_id: str, pid: int) -> None:
+        """The process ``pid`` of peer ``instance_id`` exited (nothing it sent can still land)."""
+
+    def on_abort(self, msg: Abort) -> None:
+        """The router's ``Abort``: by default, ``abort(msg.request_id)``."""
+        self.abort(msg.request_id)
 
     def abort(self, request_id: str) -> None:
         pass
@@ -198,9 +238,10 @@ class BaseWorker:
     def load(self) -> Heartbeat:
         s = self.stats()
         self.update_metrics(s)
+        self._hb_seq += 1  # numbered, so the router can tell a stale repeat from a newer report
         hb = Heartbeat(self.instance_id, int(s.get("num_running", 0)), int(s.get("num_waiting", 0)),
-                       int(s.get("num_free_blocks", 0)), int(s.get("num_blocks", 0)))
-        self._last_hb = hb  # the heartbeat thread repeats it while the loop is busy
+                       int(s.get("num_free_blocks", 0)), int(s.get("num_blocks", 0)), seq=self._hb_seq)
+        self._last_hb = hb  # the heartbeat thread repeats it (same number) while the loop is busy
         return hb
 
     # ---- loop -----------------------------------------------------------------------
@@ -245,7 +286,7 @@ class BaseWorker:
                 rid = getattr(msg, "request_id", None)
                 if rid is not None:
                     self.abort(rid)
-                    self.send(RequestFailed(rid, self.instance_id, f"{type(e).__name__}: {e}"))
+                    self.fail(rid, e)
 
     def close(self) -> None:
         self._beat_stop.set()

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from epd.errors import InvalidRequestError
-from epd.messages import GenerateRequest, Message, RequestFailed, ReserveKV, TokenOutput
+from epd.messages import Abort, GenerateRequest, Message, ReserveKV, TokenOutput
 from epd.roles import Role
 from epd.transfer.kv_connector import NixlKVReceiver
 from epd.workers.engine_worker import EngineWorker
@@ -16,19 +15,17 @@ class DecodeWorker(EngineWorker):
     ReserveKV -> blocks reserved (or queued until there is room) -> KVReserved;
     the prefill worker's KVReady notification -> the sequence joins the running
     batch -> TokenOutput per generated token. The first token came from prefill
-    and is not repeated. Aborted reservations are fenced for ``QUARANTINE_S``.
+    and is not repeated. An aborted reservation stays fenced until its writer is done or gone.
 
     A ``GenerateRequest`` (the router's ``recompute`` answer to a failed KV
     transfer) runs the whole request here, prefill included.
     """
 
     role = Role.DECODE
-    QUARANTINE_S = 1.0
 
     def __init__(self, args) -> None:
         super().__init__(args)
-        self.kv = NixlKVReceiver(self.engine, self.transport, self.staging, self.instance_id,
-                                 quarantine_s=self.QUARANTINE_S)
+        self.kv = NixlKVReceiver(self.engine, self.transport, self.staging, self.instance_id)
         self.announce(self.regions, self.kv_layout)
 
     def handle_role(self, msg: Message) -> None:
@@ -38,8 +35,8 @@ class DecodeWorker(EngineWorker):
         elif isinstance(msg, GenerateRequest):
             try:
                 self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params)
-            except (InvalidRequestError, ValueError) as e:
-                self.send(RequestFailed(msg.request_id, self.instance_id, str(e)))
+            except Exception as e:  # noqa: BLE001 - every failure is reported, saying who failed
+                self.fail(msg.request_id, e)
         else:
             super().handle_role(msg)
 
@@ -53,8 +50,14 @@ class DecodeWorker(EngineWorker):
     def step(self) -> None:
         self.stream_step()
 
+    def on_abort(self, msg: Abort) -> None:
+        self.kv.abort(msg.request_id, msg.kv_writer, msg.kv_writer_pid)  # a reservation may stay fenced
+
     def abort(self, request_id: str) -> None:
         self.kv.abort(request_id)
+
+    def peer_gone(self, instance_id: str, pid: int) -> None:
+        self.kv.writer_gone(instance_id, pid)
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), **self.kv.stats()}

@@ -10,8 +10,10 @@ import time
 
 import torch
 
+from epd.errors import CapacityError
 
-class BufferFullError(RuntimeError):
+
+class BufferFullError(CapacityError):
     """No free span large enough; retry later or raise the buffer size."""
 
 

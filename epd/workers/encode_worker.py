@@ -9,12 +9,11 @@ import torch
 from transformers import AutoConfig
 
 from epd.encoders.encoder_runner import EncoderRunner
-from epd.messages import (EmbeddingRef, EncodeDone, EncodeRequest, Message, MessageError, ReleaseEmbeddings,
-                          RequestFailed, decode)
+from epd.messages import EmbeddingRef, EncodeDone, EncodeRequest, Message, MessageError, ReleaseEmbeddings, decode
 from epd.model_files import resolve_model
 from epd.roles import Role
 from epd.workers.base import BaseWorker
-from epd.workers.embedding_buffer import BufferFullError, EmbeddingBuffer
+from epd.workers.embedding_buffer import EmbeddingBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +59,9 @@ class EncodeWorker(BaseWorker):
                 refs.append(EmbeddingRef(it.item_hash, (self.buffer.addr + off, raw.numel(), 0), list(emb.shape),
                                          str(emb.dtype).removeprefix("torch.")))
             self.num_encoded += len(items)
-        except BufferFullError as e:
+        except Exception as e:  # noqa: BLE001 - every failure is reported, saying who failed
             self.buffer.free(rid)
-            self.send(RequestFailed(rid, self.instance_id, str(e), retryable=True))
-            return
-        except (ValueError, RuntimeError) as e:
-            self.buffer.free(rid)
-            self.send(RequestFailed(rid, self.instance_id, f"encode failed: {e}"))
+            self.fail(rid, e, prefix="encode failed: ")
             return
         self.observe("encode", time.monotonic() - t0)
         self.send(EncodeDone(rid, self.instance_id, refs, encode_s=time.monotonic() - t0))

@@ -9,7 +9,7 @@ import torch
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
-from epd.messages import (EmbeddingRef, ReleaseEmbeddings, TensorBlob, TokenLogprob,
+from epd.messages import (EmbeddingRef, ReleaseEmbeddings, RequestFailed, TensorBlob, TokenLogprob,
                           TokenOutput, encode)
 from epd.messages import Heartbeat, KVEvents
 from epd.model_files import resolve_model
@@ -110,6 +110,11 @@ class EngineWorker(BaseWorker):
         self.observe("decode_step", time.monotonic() - t0)
         for out in outs:
             comp = out.outputs[0]
+            if out.finished and comp.finish_reason == "error":  # its media KV is gone (decode preemption)
+                self.send(RequestFailed(out.request_id, self.instance_id,
+                                        "the request's media KV was evicted here and cannot be recomputed "
+                                        "without its embeddings", retryable=True, status=503))
+                continue
             lps = [TokenLogprob.from_output(comp.logprobs[-1])] if comp.logprobs and comp.token_ids else []
             self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,
                                   out.num_cached_tokens, lps))

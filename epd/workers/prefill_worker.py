@@ -8,11 +8,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from epd.errors import InvalidRequestError
 from epd.messages import Message, PrefillDone, PrefillRequest, RequestFailed, TokenLogprob
 from epd.roles import Role
 from epd.transfer.kv_connector import KVSend, NixlKVSender
-from epd.transfer.nixl_transport import TransferError
 from epd.workers.engine_worker import EngineWorker
 
 
@@ -59,15 +57,17 @@ class PrefillWorker(EngineWorker):
                 self.waiting_staging.append((msg, arrival))
                 return
             embeddings = self.fetch_embeddings(rid, msg.encode_instance, list(msg.embeddings))
-            # The first token only; decode continues.
+            # The first token only; decode continues. The copy keeps num_prior_output_tokens: a
+            # migrated request's penalties and seeded generator see its earlier output here too.
             params = msgspec.structs.replace(msg.params, max_tokens=1, ignore_eos=True, stop_token_ids=[])
             kw = {}
             if msg.placeholders:
                 kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}
             self.engine.add_request(rid, list(msg.prompt_token_ids), params, **kw)
-        except (InvalidRequestError, ValueError, KeyError, TransferError) as e:
-            self.kv.abort(rid)
-            self.send(RequestFailed(rid, self.instance_id, str(e), retryable=isinstance(e, TransferError)))
+        except Exception as e:  # noqa: BLE001 - every failure is reported, saying who failed
+            if not self.kv.abort(rid):  # not taken: still tell the decode side nothing will come
+                self.kv.decline(msg)
+            self.fail(rid, e)
             return
         self.prompts[rid] = _Prompt()
 
@@ -96,7 +96,8 @@ class PrefillWorker(EngineWorker):
         for send, error in failed:
             self.prompts.pop(send.request_id, None)
             self.count("kv_transfer_failures")
-            self.send(RequestFailed(send.request_id, self.instance_id, error, retryable=True, kind="kv_transfer"))
+            self.send(RequestFailed(send.request_id, self.instance_id, error, retryable=True, kind="kv_transfer",
+                                    status=503))
         for send in done:
             self._report(send, self.prompts.pop(send.request_id, None) or _Prompt(), now)
 
@@ -112,10 +113,13 @@ class PrefillWorker(EngineWorker):
                               first_logprob=prompt.first_logprob))
 
     def abort(self, request_id: str) -> None:
-        self.waiting_staging = deque(w for w in self.waiting_staging if w[0].request_id != request_id)
-        self.prompts.pop(request_id, None)
-        self.kv.abort(request_id)
+        # Between steps: no write of this request is in flight once its transfers are released.
         self.engine.abort_request(request_id)
+        self.prompts.pop(request_id, None)
+        if not self.kv.abort(request_id):
+            for msg, _ in [w for w in self.waiting_staging if w[0].request_id == request_id]:
+                self.kv.decline(msg)
+        self.waiting_staging = deque(w for w in self.waiting_staging if w[0].request_id != request_id)
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), **self.kv.stats(), "num_waiting_staging": len(self.waiting_staging)}

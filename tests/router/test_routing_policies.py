@@ -184,7 +184,12 @@ def test_free_kv_prefers_most_free_blocks_after_reservations_then_smaller_batch(
     # d0's heartbeat has not caught up: 40 - 15 = 25 < 30, so the next one goes to d1.
     assert fk.free_after_reservations(d0) == 25
     assert fk.select([d0, d1], big) is d1
-    # A new heartbeat from d0 replaces the estimate with what it reports.
+    # A heartbeat from d0 that does not reflect the reservation yet keeps it pending ...
+    d0.load = Heartbeat("decode-0", 0, 0, 41, 64)
+    assert fk.free_after_reservations(d0) == 26
+    # ... one made after its KVReserved replaces the estimate with what it reports.
+    fk.reserved(d0, "r")
+    fk.reserved(d1, "r")
     d0.load = Heartbeat("decode-0", 1, 0, 25, 64)
     assert fk.free_after_reservations(d0) == 25
     d1.load = Heartbeat("decode-1", 1, 0, 15, 64)

@@ -258,7 +258,6 @@ def test_every_bad_request_gets_400_with_openai_body(server):
         ({**user("hi"), "top_p": 0}, "top_p"),
         ({**user("hi"), "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
         ({"messages": []}, "messages"),
-        (user("<image> what is this?"), "placeholder"),
         (img("http://example.com/cat.png"), "allowed media domains"),
         (img("http://localhost:9/cat.png"), "loopback"),
         (img("file:///etc/passwd"), "data: URL or an http"),
@@ -437,6 +436,14 @@ def test_api_key_required(audio_server):
     assert httpx.get(audio_server.url + "/health").status_code == 200  # health stays open for probes
     ok = openai.OpenAI(base_url=audio_server.url + "/v1", api_key=KEY, max_retries=0)
     assert ok.models.list().data[0].id
+
+
+def test_worker_stats_sit_behind_the_api_key(audio_server):
+    """/epd/workers asks every worker for its stats: with --api-key set it needs the key too."""
+    r = httpx.get(audio_server.url + "/epd/workers", timeout=30)
+    _assert_error(r, 401, "API key")
+    r = httpx.get(audio_server.url + "/epd/workers", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200 and "pd-0" in r.json()
 
 
 def test_audio_part_on_aggregated_pool(audio_server, audio_dir):

@@ -209,3 +209,113 @@ def test_smollm2_france_disaggregated_equals_aggregated(default_model_dir):
             answers.append(r.choices[0].message.content)
     assert answers[0] == answers[1]
     assert "Paris" in answers[0]
+
+
+# ---- tied word embeddings of a multimodal checkpoint's LM (issue 13, defect 4) --------
+# A small Qwen2 LM's config says tie_word_embeddings: true. Inside LLaVA transformers ties
+# lm_head to the embeddings; inside Qwen2-Audio it does not (the class keeps its own
+# lm_head). Each topology must answer as transformers does.
+TIED_KINDS = ("qwen2-audio", "llava-siglip")
+
+
+@pytest.fixture(scope="module")
+def tied_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tied")
+    return {k: str(create_tiny_model(k, root / k, tie_word_embeddings=True)) for k in TIED_KINDS}
+
+
+def _tied_media_case(kind: str) -> tuple[list[dict], str, dict]:
+    """(chat messages, the same prompt's text, its multi_modal_data) of one media request."""
+    if kind == "qwen2-audio":
+        clip = _wav(3)
+        messages = [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}},
+            {"type": "text", "text": " What was said?"}]}]
+        return messages, f"{AUDIO_TOKEN} What was said?", {"audio": [clip]}
+    text = f"{IMAGE_TOKEN} What is this?"
+    return _chat_messages(text, [_png(4)]), text, {"image": [_png(4)]}
+
+
+@pytest.fixture(scope="module")
+def tied_expected(tied_dirs):
+    """kind -> (texts of TEXT_PROMPTS, text of the media case) from the offline engine,
+    whose tokens are first checked equal to transformers ``generate`` of the whole
+    ``*ForConditionalGeneration`` model."""
+    import torch
+    import transformers
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    out = {}
+    for kind, model_dir in tied_dirs.items():
+        cls = "Qwen2AudioForConditionalGeneration" if kind == "qwen2-audio" else "LlavaForConditionalGeneration"
+        ref = getattr(transformers, cls).from_pretrained(model_dir, dtype=torch.float32).eval()
+        llm = LLM(model_dir)
+        try:
+            got = llm.generate(TEXT_PROMPTS, params)
+            for prompt, o in zip(TEXT_PROMPTS, got):
+                ids = torch.tensor([prompt])
+                with torch.inference_mode():
+                    hf = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                      do_sample=False)[0, len(prompt):].tolist()
+                assert list(o.outputs[0].token_ids) == hf, kind
+            _, text, mm = _tied_media_case(kind)
+            tok = llm.get_tokenizer()
+            rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=False)
+            media = llm.generate({"prompt_token_ids": tok.encode(rendered, add_special_tokens=False),
+                                  "multi_modal_data": mm}, params)[0].outputs[0].text
+        finally:
+            llm.shutdown()
+        out[kind] = ([o.outputs[0].text for o in got], media)
+    return out
+
+
+@pytest.mark.parametrize("pools", ["e:1,pd:1", "e:1,p:1,d:1"])
+@pytest.mark.parametrize("kind", TIED_KINDS)
+def test_tied_embeddings_parity_across_pools(kind, pools, tied_dirs, tied_expected):
+    text_expected, media_expected = tied_expected[kind]
+    with launch(tied_dirs[kind], pools, "--block-size", "8", "--num-kv-blocks", "128") as server:
+        client = server.client()
+        for prompt, expected in zip(TEXT_PROMPTS, text_expected):
+            r = client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            assert r.choices[0].text == expected
+        messages, _, _ = _tied_media_case(kind)
+        r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
+                                           temperature=0)
+        assert r.choices[0].message.content == media_expected
+
+
+# ---- media keys on the decode worker (issue 13, defect 2) ------------------------------
+def test_same_text_other_images_survive_decode_preemption(llava_dir):
+    """Two requests with the same text and different images decode at once in a KV cache
+    too small for both (12 blocks of 8 = 96 tokens; they need 2 x 57), so the newest is
+    preempted on the decode worker. Each equals the aggregated engine's answer: the
+    preempted one resumes after its own cached image blocks (ReserveKV carries the
+    placeholders, so its block hashes include its image's hash); it can neither hit the
+    other image's KV nor recompute its image positions, for which the decode worker has
+    no embeddings."""
+    text = f"{IMAGE_TOKEN} What is this?"
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = LLM(llava_dir)
+    tok = llm.get_tokenizer()
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=False)
+    ids = tok.encode(rendered, add_special_tokens=False)
+    expected = [llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [_png(s)]}},
+                             params)[0].outputs[0].text for s in (1, 2)]
+    llm.shutdown()
+    assert expected[0] != expected[1]
+
+    async def both(server) -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            async def one(seed: int) -> str:
+                r = await client.post(server.url + "/v1/chat/completions", json={
+                    "model": server.model, "messages": _chat_messages(text, [_png(seed)]), "max_tokens": 20,
+                    "ignore_eos": True, "temperature": 0})
+                return r.json()["choices"][0]["message"]["content"]
+
+            return list(await asyncio.gather(one(1), one(2)))
+
+    with launch(llava_dir, "e:1,p:1,d:1", "--block-size", "8", "--num-kv-blocks", "12") as server:
+        assert asyncio.run(both(server)) == expected
+        assert server.workers()["decode-0"]["num_preemptions"] > 0

@@ -145,6 +145,56 @@ def test_decode_killed_mid_stream_migrates_every_request(llama_dir, pools, role)
             assert list(pool.map(lambda p: _complete(server, p, stream=False), prompts[:4])) == expected[:4]
 
 
+
+#: sampling that depends on the output so far: penalties (greedy), a seeded generator (sampled)
+MIGRATED_SAMPLING = [dict(temperature=0, frequency_penalty=1.5), dict(temperature=0.8, seed=4242),
+                     dict(temperature=0.8, seed=7, presence_penalty=1.0, frequency_penalty=0.5)]
+
+
+def _sampled_stream(server: Server, prompt, sampling: dict, on_chunk=None) -> str:
+    """A streamed completion of ``LONG`` tokens with ``sampling``: the concatenated text."""
+    text = ""
+    stream = server.client().completions.create(model=server.model, prompt=prompt, max_tokens=LONG, stream=True,
+                                                extra_body={"ignore_eos": True}, **sampling)
+    for n, chunk in enumerate(c for c in stream if c.choices and c.choices[0].text):
+        text += chunk.choices[0].text
+        if on_chunk is not None:
+            on_chunk(n + 1)
+    return text
+
+
+def test_migration_keeps_penalties_and_seeded_generator(llama_dir):
+    """p:1,d:2: SIGKILL the decode worker streaming penalized greedy and seeded sampled
+    requests: each migrated request continues exactly as the undisturbed run, since the
+    tokens streamed before the kill still count as output for the penalties and the
+    seeded generator resumes after their draws."""
+    with launch(llama_dir, "p:1,d:2", "--max-num-seqs", "16") as server:
+        jobs = [(_prompt(i), MIGRATED_SAMPLING[i % len(MIGRATED_SAMPLING)]) for i in range(6)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            expected = list(pool.map(lambda job: _sampled_stream(server, *job), jobs))
+        assert all(expected)
+        counts = [0] * len(jobs)
+        going = threading.Event()
+
+        def seen(i: int, n: int) -> None:
+            counts[i] = n
+            if min(counts) >= 5:
+                going.set()
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futs = [pool.submit(_sampled_stream, server, p, kw, lambda n, i=i: seen(i, n))
+                    for i, (p, kw) in enumerate(jobs)]
+            assert going.wait(120), f"requests did not start streaming: {counts}"
+            running = {d: server.workers()[d].get("num_running", 0) for d in ("decode-0", "decode-1")}
+            victim = max(running, key=running.get)
+            assert running[victim] > 0
+            server.worker_process(victim).send_signal(signal.SIGKILL)
+            got = [f.result(timeout=300) for f in futs]
+        assert max(counts) < LONG  # killed mid-stream
+        assert _metric(server, "epd_migrated_requests_total", pool="decode", instance=victim) >= 1
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert g == e, (i, jobs[i][1])
+
 def test_only_prefill_killed_fails_fast_then_restart_serves(llama_dir):
     """The only prefill worker dies with requests queued on it: they fail with a
     clear 503 well within the stage timeout, new requests fail at once while it is

@@ -429,3 +429,29 @@ def test_conversation_order_delete_and_out_of_band_response(server, offline):
     # The conversation is B, A (C deleted; the out-of-band answer is not in it).
     assert main.response.usage.input_tokens == prompt_len(tok, [{"role": "user", "content": "Grass is green."},
                                                                 {"role": "user", "content": "The sky is blue."}])
+
+
+def test_two_sessions_naming_their_clips_alike_each_hear_their_own(server):
+    """Two sessions at once create an audio item under the same client item id, each
+    with a different clip: each transcript is that session's clip (the router request
+    ids are the server's own, never the client's item id, so they cannot cross)."""
+
+    async def one(name: str) -> list:
+        log: list = []
+        async with connect(server) as conn:
+            await until(conn, lambda e: e.type == "session.created")
+            await conn.conversation.item.create(item={"id": "item_same", "type": "message", "role": "user", "content": [
+                {"type": "input_audio", "audio": base64.b64encode(pcm16(name, 24000)).decode()}]})
+            await until(conn, lambda e: e.type.startswith("conversation.item.input_audio_transcription."), log)
+        return log
+
+    async def go():
+        return await asyncio.gather(one("capital_of_france.wav"), one("primary_colors.wav"))
+
+    france, colors = asyncio.run(go())
+    for log, expected in ((france, "capital of france"), (colors, "primary colors")):
+        created = next(e for e in log if e.type == "conversation.item.created")
+        assert created.item.id == "item_same"
+        heard = log[-1]
+        assert heard.type == "conversation.item.input_audio_transcription.completed", heard
+        assert heard.item_id == "item_same" and expected in heard.transcript.lower()
