@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 
 import httpx
 import pytest
@@ -58,22 +60,29 @@ def test_worker_faults_are_reported_by_who_failed(llama_dir, fault, count, statu
 
 def test_pending_limit_is_decided_before_the_body_is_read(llama_dir):
     """Defect 5 (one part): over ``--max-pending-requests`` the 429 (with Retry-After) comes
-    before the API reads the body, so a client cannot make it parse 64 MB first."""
-    with launch(llama_dir, "p:1,d:1", "--max-pending-requests", "1") as server:
-        body = _body(server.model, True)
-        body["max_tokens"] = 2000  # still streaming while the second request comes
-        body["ignore_eos"] = True
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as first:
-            assert first.status_code == 200
-            next(first.iter_lines())  # the first request is in flight
-
-            # Headers promise 48 MB that never come: only a refusal before reading the body answers.
-            host, port = server.url.removeprefix("http://").split(":")
-            with socket.create_connection((host, int(port)), timeout=30) as sock:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: 50000000\r\n\r\n{\"prompt\": \"")
-                reply = sock.recv(65536).decode("latin-1")
-            head, _, payload = reply.partition("\r\n\r\n")
-            assert head.startswith("HTTP/1.1 429"), reply[:300]
-            assert "retry-after: 1" in head.lower(), head
-            assert json.loads(payload)["error"]["type"] == "rate_limit_error"
+    before the API reads the body, so a client cannot make it parse 64 MB first. The
+    request in flight is held in its prefill by a KV write delay."""
+    env = {"EPD_INJECT_KV_WRITE_DELAY_S": "8", "EPD_INJECT_KV_WRITE_DELAY_MIN_BLOCKS": "1"}
+    with launch(llama_dir, "p:1,d:1", "--max-pending-requests", "1", env=env) as server:
+        first = threading.Thread(target=httpx.post, args=(server.url + "/v1/completions",),
+                                 kwargs={"json": _body(server.model, False), "timeout": 120})
+        first.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/health", timeout=30).json()["requests_in_flight"] != 1:
+            assert time.monotonic() < deadline, "the first request never got in flight"
+            time.sleep(0.05)
+        # Headers promise 48 MB that never come: only a refusal before reading the body answers.
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 50000000\r\n\r\n{\"prompt\": \"")
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = sock.recv(65536)
+                assert chunk, reply
+                reply += chunk
+        first.join()
+        head, _, payload = reply.decode("latin-1").partition("\r\n\r\n")
+        assert head.startswith("HTTP/1.1 429"), reply[:300]
+        assert "retry-after: 1" in head.lower(), head
+        assert json.loads(payload)["error"]["type"] == "rate_limit_error"

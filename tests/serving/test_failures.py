@@ -329,9 +329,11 @@ def test_leak_check_cancels_at_every_stage_and_a_decode_kill(llava_dir):
         client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
         model = server.model
         results: dict[int, str] = {}
+        # Drawn up front: the coroutines' later draws interleave by timing, the kinds must not.
+        kinds = [rng.choice(["none", "none", "instant", "delay", "chunks"]) for _ in range(200)]
 
         async def one(i: int) -> None:
-            kind = rng.choice(["none", "none", "instant", "delay", "chunks"])
+            kind = kinds[i]
             content = ([{"type": "image_url", "image_url": {"url": _png(i % 7)}}] if i % 3 == 0 else [])
             content.append({"type": "text", "text": f"Tell me about {i}"})
             stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
