@@ -40,7 +40,7 @@ import torch
 
 from epd.engine.model_runner import StepKV
 from epd.engine.scheduler import SchedulerOutput
-from epd.errors import InternalError, InvalidRequestError
+from epd.errors import InternalError
 from epd.messages import (KVLayout, KVReady, KVReserved, KVWriterDone, Message, MessageError, PeerInfo,
                           PrefillRequest, RequestFailed, ReserveKV, decode, encode)
 from epd.outputs import RequestOutput
@@ -255,8 +255,8 @@ class NixlKVSender(KVSender):
             send = self.sends.get(s.seq.request_id)
             if send is not None and not send.prefill_start:
                 send.prefill_start = now
-        plans = [(self.sends[s.seq.request_id], s.seq.block_table[:len(self.sends[s.seq.request_id].dst_block_ids)])
-                 for s in sched.scheduled if s.sample and s.seq.request_id in self.sends]
+        plans = [(send, s.seq.block_table[:len(send.dst_block_ids)]) for s in sched.scheduled
+                 if s.sample and (send := self.sends.get(s.seq.request_id)) is not None]
         if not plans:
             return None
         packs = [(send.staging_block, src) for send, src in plans if send.staging_block >= 0]
@@ -426,7 +426,7 @@ class NixlKVReceiver(KVReceiver):
                     return  # no staging room yet: retry once a staged request arrives or aborts
                 blocks = self.engine.add_remote_request(msg.request_id, list(msg.prompt_token_ids), msg.params,
                                                         mm_placeholders=list(msg.placeholders))
-            except (InvalidRequestError, ValueError) as e:
+            except ValueError as e:  # InvalidRequestError included: the request's own fault
                 self.pending.popleft()
                 out.append(RequestFailed(msg.request_id, self.instance_id, str(e), status=400))
                 continue

@@ -84,7 +84,12 @@ class BaseWorker:
         self._last_tick = time.monotonic()
         self._frozen_at = 0.0
         self._hb_seq = 0
-        self._injected = 0  # faults injected so far (EPD_INJECT_HANDLER_ERROR)
+        spec = os.environ.get("EPD_INJECT_HANDLER_ERROR", "")  # read once: handle() runs per message
+        self._inject: tuple[str, str, int] | None = None
+        if spec:
+            kind_name, fault, count = spec.split(":")
+            self._inject = (kind_name, fault, int(count))
+        self._injected = 0  # faults injected so far
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
 
@@ -142,11 +147,10 @@ class BaseWorker:
         """Fault injection for the error-attribution tests: ``EPD_INJECT_HANDLER_ERROR`` =
         ``<message type>:<internal|capacity>:<count>`` makes handling the first ``count``
         messages of that type raise ``InternalError`` / ``CapacityError`` here."""
-        spec = os.environ.get("EPD_INJECT_HANDLER_ERROR", "")
-        if not spec:
+        if self._inject is None:
             return
-        kind_name, fault, count = spec.split(":")
-        if type(msg).__name__ != kind_name or self._injected >= int(count):
+        kind_name, fault, count = self._inject
+        if type(msg).__name__ != kind_name or self._injected >= count:
             return
         self._injected += 1
         from epd.errors import InternalError
