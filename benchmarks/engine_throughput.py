@@ -23,7 +23,12 @@ the machine is quiet (``--retries``) and the fastest attempt is reported.
     python benchmarks/engine_throughput.py              # 1 / 8 / 32, 128 + 128 tokens
     python benchmarks/engine_throughput.py --quick      # smoke run: 1 / 4, 32 + 32 tokens
 
-Writes benchmarks/results/engine_throughput.json and .png (``--out-dir``).
+``--dtype`` (default auto: bf16 on a CPU with AVX512_BF16/AMX) sets epd's dtype, and
+transformers runs at the same one. Also reported: this machine's GEMM rate at that dtype
+(an [1024, 1024] product) and the share of it epd's matmul FLOPs reach (prompt and output
+tokens x 2 x matmul parameters / wall time).
+
+Writes benchmarks/results/engine_throughput_<fp32|bf16>.json and .png (``--out-dir``).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-other-load", type=float, default=0.1,
                    help="cores other processes may keep busy (average) during a timed call (default 0.1)")
     p.add_argument("--skip-transformers", action="store_true", help="time epd only (e.g. for profiling)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="epd's dtype (auto: bf16 where the CPU computes it natively); transformers runs at the "
+                        "same dtype")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
     if args.quick:
@@ -125,6 +133,25 @@ def _machine_busy_s() -> float:
         return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
     except (OSError, ValueError, IndexError):
         return float("nan")
+
+
+def gemm_rate(dtype: torch.dtype, n: int = 1024, reps: int = 20) -> float:
+    """This machine's GEMM rate (GFLOP/s) at ``dtype``: an [n, n] @ [n, n] product, best of 3."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = min(best, (time.perf_counter() - t) / reps)
+    return 2 * n ** 3 / best / 1e9
+
+
+def _lm_head_params(llm) -> int:
+    """Parameters of the LM head's matmul (a tied head shares the embedding's weight)."""
+    cfg = llm.engine.config.text_config
+    return cfg.vocab_size * cfg.hidden_size if getattr(cfg, "tie_word_embeddings", False) else 0
 
 
 def _self_cpu_s() -> float:
@@ -242,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     git_state = _git_state()  # before the run: the code that was imported
     model_dir = resolve_model(None)
     t0 = time.perf_counter()
-    llm = LLM(model=None)  # default engine settings
+    llm = LLM(model=None, dtype=args.dtype)  # default engine settings otherwise
     epd_load_s = time.perf_counter() - t0
     torch.set_num_threads(args.threads)  # in case construction changed it
     settings = engine_settings(llm)
@@ -252,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_model = None
     pad_id = 0
     if not args.skip_transformers:
-        hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=llm.engine.config.torch_dtype)
         hf_model = hf_model.to(settings["device"]).eval()
         tok = llm.get_tokenizer()
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -261,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.output_len} tokens; epd engine: {settings}", flush=True)
 
     start_load = wait_for_quiet(args.max_other_load, timeout_s=60.0)
+    gemm_gflops = gemm_rate(llm.engine.config.torch_dtype)
+    flops_per_token = 2 * sum(p.numel() for n, p in llm.engine.runner.model.named_parameters()
+                              if p.dim() == 2 and "embed" not in n) + 2 * _lm_head_params(llm)
+    print(f"GEMM rate at {llm.engine.config.torch_dtype} ({args.threads} threads): {gemm_gflops:.0f} GFLOP/s; "
+          f"{flops_per_token / 1e6:.0f} MFLOP of matmuls per token", flush=True)
     if start_load > args.max_other_load:
         print(f"warning: other processes keep {start_load:.2f} cores busy; they slow both engines and make "
               f"the numbers noisy (see other_cores in the JSON)", flush=True)
@@ -275,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         epd_runs, epd_tokens = measure(lambda i: run_epd(llm, prompts if i == 0 else pool.take(c), args.output_len),
                                        args.retries, args.max_other_load)
         epd_s = min(r["wall_s"] for r in epd_runs)
+        flops = c * (args.prompt_len + args.output_len) * flops_per_token
         row = {"concurrency": c, "output_tokens": n_out, "epd_s": epd_s, "epd_tok_s": n_out / epd_s,
+               "epd_gflops": flops / epd_s / 1e9, "gemm_fraction": flops / epd_s / 1e9 / gemm_gflops,
                "epd_attempts": epd_runs, "contended": _contended(epd_runs, args.max_other_load)}
         if hf_model is not None:
             run_hf(hf_model, pool.take(c), min(8, args.output_len), pad_id)  # warm-up
@@ -300,18 +334,22 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
 
     print()
-    print(f"{'concurrency':>11} | {'epd tok/s':>9} | {'transformers tok/s':>18} | {'epd/transformers':>16}")
-    print(f"{'-' * 11}-+-{'-' * 9}-+-{'-' * 18}-+-{'-' * 16}")
+    print(f"{'concurrency':>11} | {'epd tok/s':>9} | {'transformers tok/s':>18} | {'epd/transformers':>16} | "
+          f"{'epd GFLOP/s (of GEMM peak)':>26}")
+    print(f"{'-' * 11}-+-{'-' * 9}-+-{'-' * 18}-+-{'-' * 16}-+-{'-' * 26}")
     for r in results:
         hf = f"{r['hf_tok_s']:18.1f}" if "hf_tok_s" in r else f"{'-':>18}"
         ratio = f"{r['ratio']:15.2f}x" if "ratio" in r else f"{'-':>16}"
-        print(f"{r['concurrency']:>11} | {r['epd_tok_s']:9.1f} | {hf} | {ratio}"
+        print(f"{r['concurrency']:>11} | {r['epd_tok_s']:9.1f} | {hf} | {ratio} | "
+              f"{r['epd_gflops']:17.1f} ({r['gemm_fraction']:4.0%})"
               + ("   * other processes were busy in every attempt: noisy" if r["contended"] else ""))
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "engine_throughput",
-        "model": "SmolLM2-135M-Instruct (embedded default, fp32)",
+        "model": f"SmolLM2-135M-Instruct (embedded default, {llm.engine.config.torch_dtype})",
+        "gemm_gflops": gemm_gflops,
+        "matmul_flops_per_token": flops_per_token,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "greedy": True,
@@ -328,11 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         "sanity_first_tokens": sanity,
         "results": results,
     }
-    stem = "engine_throughput_quick" if args.quick else "engine_throughput"
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(llm.engine.config.torch_dtype, "other")
+    stem = f"engine_throughput_{short}" + ("_quick" if args.quick else "")
     json_path = args.out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     png_path = args.out_dir / f"{stem}.png"
-    plot(results, png_path, f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, "
+    plot(results, png_path, f"SmolLM2-135M {short}, {torch.get_num_threads()} threads, "
                             f"{args.prompt_len} prompt + {args.output_len} output tokens / request")
     print(f"\nwrote {json_path} and {png_path}")
     llm.shutdown()

@@ -1,4 +1,4 @@
-"""``epd`` command line: generate, launch, worker, model create-tiny."""
+"""``epd`` command line: generate, launch, serve, worker, keys generate, model create-tiny, bench."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import os
 import sys
 import time
 
-from epd.launch_config import KV_FAILURE_POLICIES, ROUTING_POLICIES, WORKER_ENGINE_FLAGS, LaunchConfig
+from epd.launch_config import (DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES, TOOL_CALL_PARSERS,
+                               WORKER_ENGINE_FLAGS, LaunchConfig,
+                               int_list)
 from epd.roles import ROLE_NAMES, Role
 
 
@@ -21,7 +23,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+                   help="model and KV cache dtype (default: auto: bfloat16 where the device computes it natively)")
     p.add_argument("--device", default="auto")
 
 
@@ -77,6 +80,16 @@ def _non_negative_float(text: str) -> float:
     return x
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -92,15 +105,52 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from epd.workers import WorkerArgs, run_worker
 
+    from epd.cluster_auth import load_keys, require_keys
+
+    for name, env in (("instance_id", "EPD_INSTANCE_ID"), ("router", "EPD_ROUTER")):
+        if not getattr(args, name):
+            print(f"epd worker: --{name.replace('_', '-')} (or ${env}) is required", file=sys.stderr)
+            return 2
+    if args.rank != 0:
+        print("epd worker: --rank must be 0: rank 0 of an instance starts its other TP ranks itself (--tp N); "
+              "TP ranks on other hosts are not supported", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.instance_id} %(levelname)s %(message)s")
-    engine_kwargs = {k: getattr(args, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                                                   "kv_cache_memory_gb", "num_kv_blocks", "max_model_len")}
+    keys = load_keys(args.cluster_keys)
+    require_keys(args.advertise_host, keys, "worker's command socket", "--advertise-host")
+    _set_ucx_devices(args.advertise_host, args.ucx_net_devices)
+    engine_kwargs = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+                     for flag, _ in WORKER_ENGINE_FLAGS}
     role = Role(args.role)
-    run_worker(WorkerArgs(role=role, instance_id=args.instance_id, router=args.router, model=args.model,
-                          rank=args.rank, tp=args.tp, threads=args.threads, kv_timeout_s=args.kv_timeout,
-                          kv_staging_mb=args.kv_staging_mb,
-                          engine_kwargs=engine_kwargs if role != Role.ENCODE else {}))
-    return 0
+    return run_worker(WorkerArgs(role=role, instance_id=args.instance_id, router=args.router, model=args.model,
+                                 rank=args.rank, tp=args.tp, threads=args.threads, host=args.advertise_host,
+                                 kv_timeout_s=args.kv_timeout, kv_staging_mb=args.kv_staging_mb, keys=keys,
+                                 http_port=args.http_port, drain_timeout_s=args.drain_timeout,
+                                 engine_kwargs=engine_kwargs if role != Role.ENCODE else {}))
+
+
+def _set_ucx_devices(host: str, devices: str | None) -> None:
+    """UCX (NIXL's data plane) uses ``devices`` (``--ucx-net-devices``), else what
+    ``$UCX_NET_DEVICES`` says, else the interface that holds ``host``: a worker's
+    NIXL traffic goes where its control socket is advertised, never every interface."""
+    from epd.cluster_auth import is_loopback
+
+    if devices:
+        os.environ["UCX_NET_DEVICES"] = devices
+        return
+    if os.environ.get("UCX_NET_DEVICES"):
+        return
+    if is_loopback(host):
+        os.environ["UCX_NET_DEVICES"] = "lo"
+        return
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == host.strip("[]") for a in addrs):
+            os.environ["UCX_NET_DEVICES"] = name
+            return
+    raise ValueError(f"no network interface of this host has the address {host} (--advertise-host): "
+                     "pass one of its own addresses")
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -126,7 +176,36 @@ def cmd_launch(args: argparse.Namespace) -> int:
         worker_args += ["--kv-staging-mb", str(config.kv_staging_mb)]
     from epd.api.serve import serve
 
-    return asyncio.run(serve(plan, path, config, t0, worker_args, http_socket=http_socket))
+    return asyncio.run(serve(config, path, t0, plan=plan, worker_args=worker_args, http_socket=http_socket))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``epd serve``: the router and the API only; workers join with ``epd worker``."""
+    import asyncio
+
+    from epd.api.serve import serve
+    from epd.cluster_auth import load_keys, require_keys
+    from epd.launch_spec import parse_pools
+    from epd.launcher import check_port_free
+    from epd.model_files import resolve_model
+
+    t0 = time.monotonic()
+    config = LaunchConfig.from_args(args)
+    require_keys(config.router_host, load_keys(config.cluster_keys), "router's control socket", "--router-host")
+    min_pools = dict(parse_pools(config.pools))
+    http_socket = check_port_free(config.host, config.port, keep=True)
+    check_port_free(config.router_host, config.router_port, flag="--router-port")
+    path = resolve_model(config.model)
+    return asyncio.run(serve(config, path, t0, http_socket=http_socket, min_pools=min_pools))
+
+
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    from epd.cluster_auth import generate_keys
+
+    secret = generate_keys(args.dir, force=args.force)
+    print(f"wrote {secret.parent / 'cluster.key'} and {secret} (keep the secret private; give the directory to "
+          f"every epd process of the cluster with --cluster-keys {args.dir} or $EPD_CLUSTER_KEYS)")
+    return 0
 
 
 def cmd_create_tiny(args: argparse.Namespace) -> int:
@@ -178,12 +257,21 @@ def _add_launch_parser(sub) -> None:
     la.add_argument("--host", default=d.host, help="HTTP address (default: %(default)s)")
     la.add_argument("--port", type=int, default=d.port, help="HTTP port (default: %(default)s)")
     la.add_argument("--threads-per-worker", type=_positive_int, default=d.threads_per_worker,
-                    help="torch threads per worker process (default: usable cores / processes, at least 1)")
+                    help="fixed torch threads per worker process (default: the thread budget: the host's cores "
+                         "go to the workers that have work, cores // busy workers each, step by step)")
     la.add_argument("--router-port", type=int, default=d.router_port,
                     help="router's ZeroMQ port on 127.0.0.1 (default 0: pick a free one)")
     la.add_argument("--ready-timeout", type=float, default=d.ready_timeout, help="seconds to wait for every worker")
+    la.add_argument("--cluster-keys", default=d.cluster_keys,
+                    help="directory of the CURVE keys every control socket uses (`epd keys generate`) "
+                         "(default: $EPD_CLUSTER_KEYS, else fresh keys for this launch only)")
     for flag, typ in WORKER_ENGINE_FLAGS:
+        if typ is bool:
+            la.add_argument(flag, action="store_true", default=getattr(d, flag[2:].replace("-", "_")),
+                            help="forwarded to every worker (see `epd worker --help`)")
+            continue
         la.add_argument(flag, type=typ, default=getattr(d, flag[2:].replace("-", "_")),
+                        choices=DTYPE_NAMES if flag == "--dtype" else None,
                         help="forwarded to every worker (default: the worker's)")
     _add_routing_args(la.add_argument_group("routing"), d)
     _add_recovery_args(la.add_argument_group("failure recovery"), d)
@@ -210,7 +298,7 @@ def _add_routing_args(rt, d: LaunchConfig) -> None:
                          "(default: %(default)s; 0 ignores cached prefixes)")
 
 
-def _add_recovery_args(fr, d: LaunchConfig) -> None:
+def _add_recovery_args(fr, d: LaunchConfig, launcher: bool = True) -> None:
     fr.add_argument("--max-retries", type=int, default=d.max_retries,
                     help="further attempts of a request on other instances after a worker dies, hangs or fails a "
                          "transfer; a decode worker lost mid-stream migrates its requests (default: %(default)s; "
@@ -223,6 +311,8 @@ def _add_recovery_args(fr, d: LaunchConfig) -> None:
                          "(default: %(default)s)")
     fr.add_argument("--token-timeout", type=float, default=d.token_timeout,
                     help="seconds a request may wait between two tokens (default: %(default)s)")
+    if not launcher:
+        return
     fr.add_argument("--kv-timeout", type=float, default=d.kv_timeout,
                     help="seconds a worker waits for one NIXL transfer before failing it (default: the worker's, 30)")
     fr.add_argument("--max-worker-restarts", type=int, default=d.max_worker_restarts,
@@ -252,23 +342,95 @@ def _add_api_args(api, d: LaunchConfig) -> None:
     api.add_argument("--allowed-origins", default=d.allowed_origins,
                      help="comma-separated browser origins (scheme://host[:port], or *) allowed to open /v1/realtime; "
                           "other Origin headers get 403, clients sending none pass (default: none)")
+    api.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=d.tool_call_parser,
+                     help="the format the model writes tool calls in: hermes <tool_call>{...}</tool_call> "
+                          "(Qwen2.5/3, SmolLM3, Hermes), llama3_json, mistral [TOOL_CALLS] "
+                          "(default: detected from the chat template, else hermes)")
+
+
+def _add_serve_parser(sub) -> None:
+    """``epd serve``: the API and router; the pools join it (``epd worker``)."""
+    d = LaunchConfig()
+    s = sub.add_parser("serve", help="serve the HTTP API and the router; worker pools join from any host "
+                                     "(`epd worker --router tcp://HOST:PORT`)")
+    s.add_argument("--model", default=d.model,
+                   help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct (the workers' model)")
+    s.add_argument("--host", default=d.host, help="HTTP address (default: %(default)s)")
+    s.add_argument("--port", type=int, default=d.port, help="HTTP port (default: %(default)s)")
+    s.add_argument("--router-host", default=d.router_host,
+                   help="address the router's ZeroMQ socket binds; anything but loopback needs --cluster-keys "
+                        "(default: %(default)s)")
+    s.add_argument("--router-port", type=int, default=5557, help="router's ZeroMQ port (default: %(default)s)")
+    s.add_argument("--pools", default=d.pools,
+                   help="live instances each pool needs before /health answers 200, e.g. e:1,p:1,d:1 or p:1,d:1 "
+                        "(default: %(default)s)")
+    s.add_argument("--cluster-keys", default=d.cluster_keys,
+                   help="directory of the cluster's CURVE keys (`epd keys generate`) (default: $EPD_CLUSTER_KEYS)")
+    s.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest prompt + output served (default: the model's)")
+    _add_routing_args(s.add_argument_group("routing"), d)
+    _add_recovery_args(s.add_argument_group("failure recovery"), d, launcher=False)
+    _add_api_args(s.add_argument_group("OpenAI API"), d)
+    s.set_defaults(func=cmd_serve)
+
+
+def _add_keys_parser(sub) -> None:
+    k = sub.add_parser("keys", help="the cluster's CURVE keys")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    g = ksub.add_parser("generate", help="write a new cluster key pair into DIR (cluster.key, cluster.key_secret)")
+    g.add_argument("dir")
+    g.add_argument("--force", action="store_true", help="replace keys already there")
+    g.set_defaults(func=cmd_keys_generate)
 
 
 def _add_worker_parser(sub) -> None:
-    w = sub.add_parser("worker", help="one worker process (started by `epd launch`, not by hand)")
+    w = sub.add_parser("worker", help="one worker process: joins a router (`epd serve`) from any host")
     w.add_argument("--role", required=True, choices=list(ROLE_NAMES))
-    w.add_argument("--instance-id", required=True, help="e.g. prefill-0; the TP ranks of an instance share it")
-    w.add_argument("--rank", type=int, default=0, help="TP rank inside the instance, 0..tp-1")
+    w.add_argument("--instance-id", default=os.environ.get("EPD_INSTANCE_ID"),
+                   help="unique per instance, e.g. prefill-0 or the pod name; the TP ranks of an instance share it "
+                        "(default: $EPD_INSTANCE_ID)")
+    w.add_argument("--rank", type=int, default=0,
+                   help="TP rank inside the instance: 0 (rank 0 starts ranks 1..tp-1 itself, on this host)")
     w.add_argument("--tp", type=_positive_int, default=1, help="TP ranks of the instance")
-    w.add_argument("--router", required=True, help="router's ZeroMQ endpoint, e.g. tcp://127.0.0.1:5555")
+    w.add_argument("--router", default=os.environ.get("EPD_ROUTER"),
+                   help="router's ZeroMQ endpoint, e.g. tcp://10.0.0.5:5557 (default: $EPD_ROUTER)")
+    w.add_argument("--advertise-host", default=os.environ.get("EPD_ADVERTISE_HOST", "127.0.0.1"),
+                   help="this host's address peers reach it on: the command socket and UCX bind there; anything "
+                        "but loopback needs --cluster-keys (default: $EPD_ADVERTISE_HOST, else 127.0.0.1)")
+    w.add_argument("--cluster-keys", default=None,
+                   help="directory of the cluster's CURVE keys (`epd keys generate`) (default: $EPD_CLUSTER_KEYS)")
+    w.add_argument("--http-port", type=int, default=0,
+                   help="serve GET /health (200 once the router has this worker, 503 while draining), /live and "
+                        "/metrics on the advertised address (default: 0, off)")
+    w.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
+                   help="seconds a SIGTERM'd worker may take to finish or hand off its requests before it exits "
+                        "(default: %(default)s; 0: stop at once)")
+    w.add_argument("--ucx-net-devices", default=None,
+                   help="UCX network devices for NIXL transfers, e.g. eth0 or mlx5_0:1 (default: $UCX_NET_DEVICES, "
+                        "else the interface holding --advertise-host); UCX_TLS passes through from the environment")
     w.add_argument("--model", default=None,
                    help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
-    w.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's)")
+    w.add_argument("--threads", type=_positive_int, default=None,
+                   help="fixed torch threads (default: the thread budget: this host's cores shared by the "
+                        "workers that have work, see epd.workers.thread_budget)")
     w.add_argument("--kv-timeout", type=float, default=30.0,
                    help="seconds one NIXL transfer (KV, embeddings) may take before it fails (default: %(default)s)")
     w.add_argument("--block-size", type=_positive_int, default=16)
     w.add_argument("--max-num-seqs", type=_positive_int, default=64)
     w.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    w.add_argument("--max-prefill-tokens-with-decodes", type=_non_negative_int, default=256,
+                   help="prefill tokens per step while requests decode (stall-free batching; 0: off; "
+                        "default: %(default)s)")
+    w.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
+                   help="model and KV cache dtype (default: auto: bfloat16 where the device computes it "
+                        "natively (AVX512_BF16/AMX CPUs, bf16 GPUs), else float32); every prefill and decode "
+                        "worker of a deployment must use the same")
+    w.add_argument("--compile", action="store_true",
+                   help="run the model through torch.compile (slower start, faster steps on GPUs)")
+    w.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    w.add_argument("--cuda-graph-sizes", type=int_list, default=None,
+                   help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default: 1,2,4 and multiples "
+                        "of 8 up to --max-num-seqs; CUDA at TP 1 only)")
     w.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     w.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="KV cache size in blocks (overrides --kv-cache-memory-gb)")
@@ -294,7 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
     _add_launch_parser(sub)
+    _add_serve_parser(sub)
     _add_worker_parser(sub)
+    _add_keys_parser(sub)
     _add_model_parser(sub)
     from epd.bench.cli import add_parser as add_bench_parser
 
@@ -304,13 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from epd.cluster_auth import ClusterKeysError
     from epd.config import ConfigError
     from epd.launch_spec import LaunchSpecError
     from epd.model_files import ModelLoadError, ModelNotFoundError
 
     try:
         return args.func(args)
-    except (ModelNotFoundError, ModelLoadError, ConfigError, LaunchSpecError) as e:
+    except (ModelNotFoundError, ModelLoadError, ConfigError, LaunchSpecError, ClusterKeysError) as e:
         print(f"epd {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

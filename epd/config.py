@@ -18,6 +18,36 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+def native_bf16(device: str) -> bool:
+    """Whether ``device`` ("cpu" or "cuda") computes bf16 matrix products natively: a
+    CUDA GPU that supports bf16 (Ampere and newer), or a CPU with AVX512_BF16 or AMX-BF16
+    (read from /proc/cpuinfo; oneDNN then runs bf16 GEMMs at about 2.5x the fp32 rate).
+    Without those, a CPU emulates bf16 by converting to fp32, slower than fp32 itself."""
+    if device == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def auto_dtype(device: str, checkpoint_dtype=None) -> torch.dtype:
+    """``dtype="auto"``: bf16 where ``device`` computes it natively (:func:`native_bf16`),
+    except that a CUDA device keeps a checkpoint saved in fp16; otherwise fp32 (as vLLM's
+    "auto" casts fp32 checkpoints down to a 16-bit type on GPUs)."""
+    ckpt = checkpoint_dtype if isinstance(checkpoint_dtype, torch.dtype) else _DTYPES.get(str(checkpoint_dtype))
+    if device == "cuda" and ckpt is torch.float16:
+        return torch.float16
+    if native_bf16(device):
+        return torch.bfloat16
+    return torch.float16 if device == "cuda" else torch.float32
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to run one model instance.
@@ -30,6 +60,10 @@ class EngineConfig:
         max_num_seqs: most sequences in one running batch.
         max_num_batched_tokens: token budget of one engine step (prefill chunks +
             one token per decode); prompts longer than it are prefilled in chunks.
+        max_prefill_tokens_with_decodes: prefill tokens one step may carry while any
+            sequence decodes (stall-free batching, Sarathi-Serve; see
+            ``epd.engine.scheduler``); 0: no cap below ``max_num_batched_tokens``.
+            256 keeps an aggregated CPU worker's steps near 0.3 s with SmolLM2-135M.
         max_model_len: longest sequence (prompt + output); default and cap: the
             model's ``max_position_embeddings``.
         enable_prefix_caching: reuse KV of full blocks with equal hash chains.
@@ -37,8 +71,15 @@ class EngineConfig:
             ``kv_cache_memory_gb``, capped at what ``max_num_seqs`` sequences of
             ``max_model_len`` tokens can use.
         kv_cache_memory_gb: memory for the KV cache (all layers, K and V), GiB.
-        dtype: "auto" (fp32 on CPU, the checkpoint's dtype on CUDA), or a name.
+        dtype: "auto" (:func:`auto_dtype`: bf16 where the device computes it natively,
+            else fp32), or a name ("float32", "bfloat16", "float16"). The KV cache
+            follows it.
         device: "cpu" or "cuda"; "auto" picks cuda when available.
+        compile: run the model through ``torch.compile`` (dynamic shapes; the attention
+            layers' paged kernels stay outside the graph).
+        enforce_eager: no CUDA graphs (they are used on CUDA at TP=1 otherwise).
+        cuda_graph_sizes: decode batch sizes to capture (``epd.engine.cuda_graphs``);
+            None: 1, 2, 4 and multiples of 8 up to ``max_num_seqs``.
         seed: seed of the engine-wide generator used by unseeded sampling.
 
     Raises:
@@ -50,6 +91,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_prefill_tokens_with_decodes: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
@@ -57,6 +99,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    compile: bool = False
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
     _lm_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -72,10 +117,11 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        if isinstance(self.dtype, torch.dtype):  # LLM(dtype=torch.bfloat16), as vLLM takes it
+            self.dtype = next((k for k, v in _DTYPES.items() if v == self.dtype and "float" in k), str(self.dtype))
         if self.dtype == "auto":
-            ckpt = getattr(self.hf_config, "dtype", None) or getattr(cfg, "dtype", None)
-            self.torch_dtype = torch.float32 if self.device == "cpu" else (
-                ckpt if isinstance(ckpt, torch.dtype) else _DTYPES.get(str(ckpt), torch.bfloat16))
+            self.torch_dtype = auto_dtype(self.device, getattr(self.hf_config, "dtype", None)
+                                          or getattr(cfg, "dtype", None))
         elif self.dtype in _DTYPES:
             self.torch_dtype = _DTYPES[self.dtype]
         else:
@@ -84,6 +130,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_prefill_tokens_with_decodes, int) or self.max_prefill_tokens_with_decodes < 0:
+            raise ConfigError(f"max_prefill_tokens_with_decodes must be an integer >= 0 (0: off), "
+                              f"got {self.max_prefill_tokens_with_decodes!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         tp = self.tensor_parallel_size
@@ -104,6 +153,15 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes captured as CUDA graphs ([] where none are: on a CPU,
+        with ``enforce_eager``, at TP > 1)."""
+        if self.device != "cuda" or self.enforce_eager or self.tensor_parallel_size > 1:
+            return []
+        from epd.engine.cuda_graphs import capture_sizes
+
+        return capture_sizes(self.max_num_seqs, self.cuda_graph_sizes)
 
     @property
     def text_config(self) -> PretrainedConfig:

@@ -1,4 +1,4 @@
-"""The settings of ``epd launch``: one typed, validated config built once from the CLI.
+"""The settings of ``epd launch`` and ``epd serve``: one typed, validated config built once from the CLI.
 
 :class:`LaunchConfig`'s field defaults are the single source of the launch
 defaults: ``epd launch``'s argparse options take theirs from it (so ``--help``
@@ -14,7 +14,8 @@ from dataclasses import dataclass, fields
 from epd.launch_spec import LaunchSpecError, parse_pools, parse_tp
 from epd.roles import Role
 
-__all__ = ["LaunchConfig", "ROUTING_POLICIES", "KV_FAILURE_POLICIES", "WORKER_ENGINE_FLAGS"]
+__all__ = ["LaunchConfig", "ROUTING_POLICIES", "KV_FAILURE_POLICIES", "WORKER_ENGINE_FLAGS", "DTYPE_NAMES",
+           "TOOL_CALL_PARSERS"]
 
 #: routing policies per pool, the default first (epd.router.policies.POLICIES, kept here so
 #: `epd --help` need not import torch; tests check that the two agree)
@@ -25,9 +26,36 @@ ROUTING_POLICIES = {Role.ENCODE: ("media-affinity", "least-loaded", "round-robin
 #: what a failed P->D KV transfer does (applied by epd.router.recovery), the default first
 KV_FAILURE_POLICIES = ("retry", "recompute")
 
-#: engine settings a worker takes (flag, type); `epd launch` forwards the ones given to every worker
+#: ``--tool-call-parser`` values (epd.api.tool_parsers.PARSERS, kept here so `epd --help` need
+#: not import the API; tests check that the two agree)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+#: ``--dtype`` values (epd.config.EngineConfig.dtype)
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)`` (``--cuda-graph-sizes``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a comma-separated list of integers >= 1.
+    """
+    import argparse
+
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,2,4,8; got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, e.g. 1,2,4,8; got {text!r}")
+    return sizes
+
+
+#: engine settings a worker takes (flag, type; bool: a switch); `epd launch` forwards the
+#: ones given to every worker
 WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
-                       ("--kv-cache-memory-gb", float), ("--num-kv-blocks", int), ("--max-model-len", int))
+                       ("--max-prefill-tokens-with-decodes", int), ("--kv-cache-memory-gb", float),
+                       ("--num-kv-blocks", int), ("--max-model-len", int), ("--dtype", str),
+                       ("--compile", bool), ("--enforce-eager", bool), ("--cuda-graph-sizes", int_list))
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,16 +76,23 @@ class LaunchConfig:
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
-    threads_per_worker: int | None = None  # None: usable cores / processes, at least 1
+    threads_per_worker: int | None = None  # None: the thread budget (epd.workers.thread_budget)
     router_port: int = 0  # 0: pick a free one
+    router_host: str = "127.0.0.1"  # the router's ZeroMQ bind address (`epd serve`; `epd launch` keeps loopback)
+    cluster_keys: str | None = None  # CURVE keys dir (None: $EPD_CLUSTER_KEYS; `epd launch`: fresh ones)
     ready_timeout: float = 600.0
     # engine settings forwarded to every worker (None: the worker's default)
     block_size: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    max_prefill_tokens_with_decodes: int | None = None
     kv_cache_memory_gb: float | None = None
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
+    dtype: str | None = None
+    compile: bool | None = None
+    enforce_eager: bool | None = None
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # routing
     encode_routing: str = ROUTING_POLICIES[Role.ENCODE][0]
     prefill_routing: str = ROUTING_POLICIES[Role.PREFILL][0]
@@ -80,6 +115,7 @@ class LaunchConfig:
     max_media_mb: float = 20.0
     max_realtime_sessions: int = 64
     allowed_origins: str = ""  # comma-separated; none: browsers (which send Origin) are refused on /v1/realtime
+    tool_call_parser: str | None = None  # None: detected from the chat template
     # KV staging when prefill or decode is tensor-parallel
     kv_staging_mb: int = 256
 
@@ -93,6 +129,13 @@ class LaunchConfig:
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
             raise LaunchSpecError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}, "
                                   f"got {self.kv_failure_policy!r}")
+        if self.max_prefill_tokens_with_decodes is not None and self.max_prefill_tokens_with_decodes < 0:
+            raise LaunchSpecError(f"max_prefill_tokens_with_decodes must be >= 0 (0: off), "
+                                  f"got {self.max_prefill_tokens_with_decodes}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise LaunchSpecError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise LaunchSpecError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if not self.kv_overlap_weight >= 0:  # also rejects nan
             raise LaunchSpecError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
         for name in ("threads_per_worker", "max_pending_requests", "max_n", "kv_staging_mb", "max_realtime_sessions"):
@@ -111,9 +154,13 @@ class LaunchConfig:
         """``epd worker`` flags for the worker settings given: the engine flags of
         :data:`WORKER_ENGINE_FLAGS` and ``--kv-timeout``."""
         out = []
-        for flag, _ in WORKER_ENGINE_FLAGS:
+        for flag, typ in WORKER_ENGINE_FLAGS:
             value = getattr(self, flag[2:].replace("-", "_"))
-            if value is not None:
+            if typ is bool:
+                out += [flag] if value else []
+            elif typ is int_list and value is not None:
+                out += [flag, ",".join(str(v) for v in value)]
+            elif value is not None:
                 out += [flag, str(value)]
         if self.kv_timeout is not None:
             out += ["--kv-timeout", str(self.kv_timeout)]

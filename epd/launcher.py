@@ -105,28 +105,35 @@ class _Slot:
 WorkerCmd = Sequence[str] | Callable[[str, str, int, int], Sequence[str]]
 
 
+def host_cores() -> int:
+    """Cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_threads_per_worker(num_processes: int) -> int:
     """CPU threads per worker: the usable cores shared evenly, at least 1.
 
     Uses the process's CPU affinity when available (containers and ``taskset`` often
     allow fewer cores than ``os.cpu_count()`` reports), else ``os.cpu_count()``.
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, num_processes))
+    return max(1, host_cores() // max(1, num_processes))
 
 
 def worker_argv(role: Role | str, instance_id: str, rank: int, tp: int, *, router_endpoint: str, model: str | None,
-                threads: int, extra: Sequence[str] = ()) -> list[str]:
-    """The command line of one worker process (``python -m epd.cli worker ...``)."""
+                threads: int | None, extra: Sequence[str] = ()) -> list[str]:
+    """The command line of one worker process (``python -m epd.cli worker ...``);
+    ``threads`` None omits ``--threads`` (the worker shares the host's cores by who has
+    work, ``epd.workers.thread_budget``)."""
     argv = [sys.executable, "-m", "epd.cli", "worker", "--role", str(role), "--instance-id", instance_id,
             "--rank", str(rank), "--tp", str(tp), "--router", router_endpoint]
     if model:
         argv += ["--model", str(model)]
-    argv += ["--threads", str(threads), *extra]
-    return argv
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    return argv + list(extra)
 
 
 def _resolve_host(host: str, port: int) -> tuple:
@@ -138,7 +145,7 @@ def _resolve_host(host: str, port: int) -> tuple:
     return infos[0]
 
 
-def check_port_free(host: str, port: int, keep: bool = False) -> socket.socket | None:
+def check_port_free(host: str, port: int, keep: bool = False, flag: str = "--port") -> socket.socket | None:
     """Raise :class:`LaunchSpecError` unless a TCP server could listen on ``host:port``.
 
     Binds (with SO_REUSEADDR, as uvicorn does, so sockets in TIME_WAIT don't count)
@@ -148,7 +155,7 @@ def check_port_free(host: str, port: int, keep: bool = False) -> socket.socket |
     is always free.
     """
     if not 0 <= port <= 65535:
-        raise LaunchSpecError(f"port {port} is out of range: pick one in 1..65535 with --port")
+        raise LaunchSpecError(f"port {port} is out of range: pick one in 1..65535 with {flag}")
     family, socktype, proto, _, addr = _resolve_host(host, port)
     s = socket.socket(family, socktype, proto)
     try:
@@ -157,10 +164,10 @@ def check_port_free(host: str, port: int, keep: bool = False) -> socket.socket |
     except OSError as e:
         s.close()
         if e.errno == errno.EADDRINUSE:
-            raise LaunchSpecError(f"port {port} on {host} is already in use: pick another with --port") from None
+            raise LaunchSpecError(f"port {port} on {host} is already in use: pick another with {flag}") from None
         if e.errno == errno.EACCES:
             raise LaunchSpecError(f"no permission to listen on port {port} on {host} (ports below 1024 "
-                                  "need privileges): pick another with --port") from None
+                                  f"need privileges): pick another with {flag}") from None
         if e.errno == errno.EADDRNOTAVAIL:
             raise LaunchSpecError(f"address {host} is not an address of this machine: pass one it has, "
                                   "e.g. --host 127.0.0.1") from None
@@ -201,8 +208,11 @@ class Launcher:
         plan: pools from :func:`epd.launch_spec.build_launch_plan`.
         model: model directory (or default-model name) passed to every worker; None omits ``--model``.
         router_endpoint: the router's ZeroMQ endpoint, e.g. ``tcp://127.0.0.1:5555``.
-        threads_per_worker: torch threads per worker; None shares the cores evenly
-            (:func:`default_threads_per_worker`). Also exported as ``OMP_NUM_THREADS``.
+        threads_per_worker: fixed torch threads per worker process (also exported as
+            ``OMP_NUM_THREADS``); None: the thread budget (``epd.workers.thread_budget``:
+            each single-rank worker uses ``cores // busy workers`` threads, step by step),
+            and the ranks of a tensor-parallel instance a fixed even share
+            (:func:`default_threads_per_worker`).
         extra_worker_args: appended to every worker's command line.
         env: base environment of the workers (default: this process's, read at
             :meth:`start`, so ``$PROMETHEUS_MULTIPROC_DIR`` set before is inherited).
@@ -233,8 +243,9 @@ class Launcher:
         self.ignore_sigint_in_children = ignore_sigint_in_children
         self.rank0_spawns_ranks = rank0_spawns_ranks
         self.slots = self._layout(self.plan)
-        self.threads_per_worker = threads_per_worker or default_threads_per_worker(len(self.slots))
-        if self.threads_per_worker < 1:
+        self.threads_per_worker = threads_per_worker
+        self.even_share = default_threads_per_worker(len(self.slots))
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise LaunchSpecError(f"threads per worker must be >= 1, got {threads_per_worker}")
         self.workers: list[WorkerProcess] = []  # every process started, exited ones included
         self._reported: set[int] = set()  # pids poll_dead has returned
@@ -267,14 +278,22 @@ class Launcher:
     def _argv(self, slot: _Slot) -> list[str]:
         if self.worker_cmd is None:
             return worker_argv(slot.role, slot.instance_id, slot.rank, slot.tp, router_endpoint=self.router_endpoint,
-                               model=self.model, threads=self.threads_per_worker, extra=self.extra_worker_args)
+                               model=self.model, threads=self._threads(slot), extra=self.extra_worker_args)
         if callable(self.worker_cmd):
             return list(self.worker_cmd(slot.role, slot.instance_id, slot.rank, slot.tp))
         return list(self.worker_cmd)
 
+    def _threads(self, slot: _Slot) -> int | None:
+        """``--threads`` of ``slot``'s process: the fixed setting, else None (the thread
+        budget) for a single-rank worker and the even share for a TP rank."""
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
+        return self.even_share if slot.tp > 1 else None
+
     def _child_env(self, slot: _Slot) -> dict[str, str]:
         env = dict(os.environ if self.env is None else self.env)
-        n = str(self.threads_per_worker)
+        threads = self._threads(slot)
+        n = str(threads if threads is not None else host_cores())
         env.setdefault("OMP_NUM_THREADS", n)
         env.setdefault("MKL_NUM_THREADS", n)
         env["EPD_INSTANCE_ID"] = slot.instance_id

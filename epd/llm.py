@@ -36,17 +36,21 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, block_size: int = 16,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_prefill_tokens_with_decodes: int = 256, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
                  kv_cache_memory_gb: float = 2.0, dtype: str = "auto", device: str = "auto", seed: int = 0,
+                 compile: bool = False, enforce_eager: bool = False,
                  audio_mode: str = "auto", encoder_cache_gb: float = 0.5) -> None:
         path = resolve_model(model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         config = EngineConfig(str(path), tensor_parallel_size=tensor_parallel_size, block_size=block_size,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                               max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                               num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
-                              dtype=dtype, device=device, seed=seed)
+                              dtype=dtype, device=device, seed=seed, compile=compile,
+                              enforce_eager=enforce_eager)
         self.engine = LLMEngine(config, self.tokenizer)
         self._ids = itertools.count()
         # The engine is driven by one thread at a time; concurrent generate() calls

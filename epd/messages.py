@@ -19,7 +19,8 @@ Flow (see docs/architecture.md, "Wire messages"):
   router -> PD: GenerateRequest (aggregated pool)
   D/PD -> router: TokenOutput (stream)  any -> router: WorkerReady, Heartbeat, RequestFailed
   P/PD -> router: KVEvents (prefix-cache changes, for KV-aware routing)
-  router -> any: Abort, PeerGone, Shutdown
+  router -> any: Abort, PeerGone, Shutdown, Registered / RegistrationRefused, RouterPing
+  any -> router: Draining (SIGTERM)     P -> D (NIXL notif, router lost): KVWriterFenced
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
     regions: list[Region]  # memory peers may read/write (KV cache, embedding buffer)
     kv_layout: KVLayout | None = None
     startup_s: float = 0.0
+    incarnation: int = 0  # random per process: a repeat of this WorkerReady is the same member re-joining
+    model: str = ""  # epd.model_files.model_fingerprint of the checkpoint it serves ("": not said)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -214,6 +217,7 @@ class ReserveKV(msgspec.Struct, tag="reserve", frozen=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     placeholders: list[Placeholder] = []
+    kv_writer: str = ""  # the prefill instance that will write the KV: only its notifications count
 
 
 class KVReserved(msgspec.Struct, tag="reserved", frozen=True):
@@ -260,6 +264,12 @@ class KVWriterDone(msgspec.Struct, tag="kv_writer_done", frozen=True):
 
     request_id: str
     generation: int
+
+
+class KVWriterFenced(msgspec.Struct, tag="kv_writer_fenced", frozen=True):
+    """P -> D NIXL notification, sent when the prefill worker lost its router: every send
+    it had is dropped and none of its earlier instructions will ever write again, so
+    the reservations that named it as writer before now are free on the decode side."""
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
@@ -350,9 +360,50 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
+# ---- membership -------------------------------------------------------------------------
+class Registered(msgspec.Struct, tag="registered", frozen=True):
+    """Router -> worker: its ``WorkerReady`` was accepted by the router of ``epoch`` (a
+    random id of that router process); the worker is a member until it loses that router."""
+
+    instance_id: str
+    epoch: int
+
+
+class RegistrationRefused(msgspec.Struct, tag="refused", frozen=True):
+    """Router -> worker: its ``WorkerReady`` was refused (``reason``). ``permanent``: it can
+    never join (another model than the router's), so it exits 1; otherwise (a live process
+    holds the instance id) it asks again."""
+
+    instance_id: str
+    reason: str
+    permanent: bool = False
+
+
+#: seconds between two RouterPing to every worker
+ROUTER_PING_S = 0.5
+#: a worker that reads no RouterPing for this long treats its router as lost and drops everything
+ROUTER_TIMEOUT_S = 5.0
+
+
+class RouterPing(msgspec.Struct, tag="router_ping", frozen=True):
+    """Router -> every registered worker, every ``ROUTER_PING_S``: the router of ``epoch`` is
+    alive. A worker that reads none for ``ROUTER_TIMEOUT_S`` treats the router as lost."""
+
+    epoch: int
+
+
+class Draining(msgspec.Struct, tag="draining", frozen=True):
+    """Worker -> router on SIGTERM: route nothing new here; the process ``pid`` finishes or
+    hands off what it has (the router migrates a draining decode worker's streams) and exits."""
+
+    instance_id: str
+    pid: int
+
+
 Message = (WorkerReady | Heartbeat | KVEvents | PeerInfo | EncodeRequest | EncodeDone | ReserveKV | KVReserved
            | PrefillRequest | KVReady | PrefillDone | GenerateRequest | TokenOutput
-           | RequestFailed | Abort | PeerGone | KVWriterDone | ReleaseEmbeddings | StatsRequest | WorkerStats | Shutdown)
+           | RequestFailed | Abort | PeerGone | KVWriterDone | KVWriterFenced | ReleaseEmbeddings | StatsRequest
+           | WorkerStats | Shutdown | Registered | RegistrationRefused | RouterPing | Draining)
 
 
 def _enc_hook(obj):

@@ -91,6 +91,10 @@ class Metrics:
         kv_cache_usage_ratio: used / total KV blocks of the instance, 0..1.
         queue_depth: requests waiting in the instance's queue.
         running_requests: requests in the instance's running batch.
+        queued_prompt_tokens: prompt tokens still to prefill on the instance (the
+            prefill pool's autoscaling signal).
+        pool_instances: instances per pool as the router sees them, label ``state``
+            (live: routable; draining), labels ``pool`` and ``state`` only; ``epd_pool_instances``.
         router_requests: requests open in the router, with a third label ``state``
             (encode, prefill, transfer, decode: ``epd.router.request.RequestState``),
             ``pool="router"``, ``instance="router"``; ``epd_router_requests``. Mode
@@ -138,6 +142,8 @@ class Metrics:
     queue_depth: object
     running_requests: object
     router_requests: object
+    queued_prompt_tokens: object
+    pool_instances: object
 
 
 # field -> (metric name, help, buckets)
@@ -186,6 +192,8 @@ _GAUGES = {
     "kv_cache_usage_ratio": ("epd_kv_cache_usage_ratio", "Used / total KV cache blocks, 0..1", "livemax"),
     "queue_depth": ("epd_queue_depth", "Requests waiting in the queue", "livemax"),
     "running_requests": ("epd_running_requests", "Requests in the running batch", "livemax"),
+    "queued_prompt_tokens": ("epd_queued_prompt_tokens", "Prompt tokens waiting to be prefilled (queued or "
+                             "partly prefilled requests)", "livemax"),
 }
 
 _lock = threading.Lock()
@@ -280,6 +288,8 @@ def get_metrics() -> Metrics:
             objs[field] = Gauge(name, doc, LABELS, multiprocess_mode=mode, registry=_registry)
         objs["router_requests"] = Gauge("epd_router_requests", "Requests open in the router, by state",
                                         (*LABELS, "state"), multiprocess_mode="livesum", registry=_registry)
+        objs["pool_instances"] = Gauge("epd_pool_instances", "Instances per pool seen by the router, by state",
+                                       ("pool", "state"), multiprocess_mode="livemax", registry=_registry)
         _metrics_dir = multiprocess_dir()
         _metrics = Metrics(**objs)
         return _metrics

@@ -376,3 +376,20 @@ def _drop_keys(path: pathlib.Path, keys: tuple[str, ...]) -> None:
         for k in keys:
             data.pop(k, None)
         path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """A short id of the checkpoint at ``path`` (a model directory or a .gguf file): the
+    SHA-256 of its ``config.json`` plus the names and sizes of its weight files, so two
+    processes on different hosts can tell whether they serve the same model without
+    reading the weights. Not a cryptographic identity of the weights."""
+    import hashlib
+
+    p = pathlib.Path(path)
+    h = hashlib.sha256()
+    files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".gguf", ".bin"))
+    if p.is_dir() and (p / "config.json").exists():
+        h.update((p / "config.json").read_bytes())
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size};".encode())
+    return h.hexdigest()[:16]

@@ -6,6 +6,8 @@ import math
 
 import msgspec
 
+from epd.structured_outputs import StructuredOutputs
+
 # Temperatures below this are greedy (dividing logits by them overflows); as in vLLM.
 _SAMPLING_EPS = 1e-5
 # Most top logprobs a request may ask for (OpenAI's top_logprobs limit).
@@ -50,6 +52,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             count them as output, a seeded generator resumes after their N draws, and
             ``max_tokens`` counts only the tokens generated after them. 0 for a new
             request; the API never sets it.
+        structured_outputs: the constraint every sampled token obeys (a JSON schema,
+            regex, choice or grammar; ``epd.structured_outputs``), or None. Prefill and
+            decode workers each mask with it; a resumed request's matcher is advanced
+            past its prior output.
 
     Raises:
         ValueError: on out-of-range values (the message names the field); on
@@ -73,6 +79,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = True
     logprobs: int | None = None
     num_prior_output_tokens: int = 0
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):

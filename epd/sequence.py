@@ -73,6 +73,8 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        # The matcher of a constrained request (``epd.engine.grammar.Grammar``), set by the engine.
+        self.grammar = None
         # One TokenLogprobs per sampled output token when params.logprobs is set.
         self.output_logprobs: list = []
 

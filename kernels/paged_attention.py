@@ -386,9 +386,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     :func:`paged_decode_attention_ref`. q ``[num_seqs, num_heads, head_dim]``, caches
     ``[num_blocks, block_size, num_kv_heads, head_dim]``, block_tables
     ``[num_seqs, max_num_blocks]`` int32, context_lens ``[num_seqs]`` int32; returns
-    ``[num_seqs, num_heads, head_dim]`` in q's dtype (vLLM ``paged_attention_v1`` contract)."""
+    ``[num_seqs, num_heads, head_dim]`` in q's dtype (vLLM ``paged_attention_v1`` contract).
+    On the CPU (fp32 / bf16), the in-place kernel of ``epd.kernels.cpu_attention`` when it
+    is built, else the reference."""
     if (q.is_cuda and k_cache.is_cuda and v_cache.is_cuda and block_tables.is_cuda
             and context_lens.is_cuda and _triton_importable()):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if (not q.is_cuda and not k_cache.is_cuda and q.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        from epd.kernels import cpu_attention
+
+        if cpu_attention.load() is not None:
+            return cpu_attention.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
 

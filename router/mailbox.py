@@ -45,18 +45,22 @@ class Mailbox:
         handlers: message type -> callable, for the control messages.
         count: ``count(metric, pool, instance)`` increments a counter of ``epd.metrics``.
         on_dead: called with each worker handle the moment it is found dead.
+        keys: the cluster's CURVE keys (``epd.cluster_auth.ClusterKeys``), or None.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, registry: PoolRegistry,
                  handlers: dict[type, Callable], count: Callable[[str, str, str], None],
-                 on_dead: Callable[[WorkerHandle], None] | None = None) -> None:
+                 on_dead: Callable[[WorkerHandle], None] | None = None, keys=None) -> None:
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 100000)
+        if keys is not None:  # a CURVE server: only cluster members get a message in
+            keys.server(self.pull)
+        zhost = f"[{host}]" if ":" in host and not host.startswith("[") else host
         if port:
-            self.pull.bind(f"tcp://{host}:{port}")
+            self.pull.bind(f"tcp://{zhost}:{port}")
         else:
-            port = self.pull.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+            port = self.pull.bind_to_random_port(f"tcp://{zhost}")
+        self.endpoint = f"tcp://{zhost}:{port}"
         self.registry = registry
         self.handlers = handlers
         self._count = count
@@ -99,9 +103,12 @@ class Mailbox:
                 self._dead_seen.discard(key)  # thawed: its next death is another failure
             elif key not in self._dead_seen:
                 self._dead_seen.add(key)
-                logger.warning("%s worker %s (pid %d) is dead (no heartbeat for %.1f s)", w.role, w.instance_id,
-                               w.info.pid, self.registry.heartbeat_timeout_s)
-                self._count("worker_failures", w.role, w.instance_id)
+                if w.draining:  # it said Draining: leaving is the plan, not a failure
+                    logger.warning("%s worker %s (pid %d) left after draining", w.role, w.instance_id, w.info.pid)
+                else:
+                    logger.warning("%s worker %s (pid %d) is dead (no heartbeat for %.1f s)", w.role, w.instance_id,
+                                   w.info.pid, self.registry.heartbeat_timeout_s)
+                    self._count("worker_failures", w.role, w.instance_id)
                 if self._on_dead is not None:
                     self._on_dead(w)
 
@@ -165,17 +172,21 @@ class Mailbox:
             q.put_nowait(it)
 
     async def expect(self, rid: str, types: tuple, timeout_s: float, stage: str, stash: list | None = None,
-                     watch: tuple[WorkerHandle, ...] = ()):
+                     watch: tuple[WorkerHandle, ...] = (), move_off_draining: bool = False):
         """Next message of ``types`` for ``rid``. With ``stash``, TokenOutputs that
         overtake it (D may stream before P's PrefillDone arrives) are kept there.
 
         Raises RequestError: a worker's RequestFailed; the deadline passed
-        (``kind="timeout"``); or a worker in ``watch`` died (``kind="dead"``,
-        noticed within ``liveness_poll_s`` of its heartbeat timeout).
+        (``kind="timeout"``); a worker in ``watch`` died (``kind="dead"``,
+        noticed within ``liveness_poll_s`` of its heartbeat timeout); or, with
+        ``move_off_draining``, a worker in ``watch`` drains while another instance
+        of its pool can take the request over (``kind="drain"``: it migrates).
         """
         q = self.queues[rid]
         deadline = time.monotonic() + timeout_s
         while True:
+            if move_off_draining:
+                self._check_draining(watch, stage)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 who = watch[0].instance_id if watch else None
@@ -198,6 +209,14 @@ class Mailbox:
         if not isinstance(msg, types):
             raise RequestError(f"unexpected {type(msg).__name__} during {stage}")
         return msg
+
+    def _check_draining(self, watch: tuple[WorkerHandle, ...], stage: str) -> None:
+        """Raise RequestError (``kind="drain"``) for a draining worker in ``watch`` whose
+        pool has a routable instance to move to (else it finishes the request itself)."""
+        for w in watch:
+            if w.draining and self.registry.routable(w.role):
+                raise RequestError(f"{stage}: {w.role} worker {w.instance_id} is draining", status=503,
+                                   retryable=True, instance=w.instance_id, kind="drain")
 
     def _check_alive(self, watch: tuple[WorkerHandle, ...], stage: str) -> None:
         """Raise RequestError (``kind="dead"``) for the first dead worker in ``watch``."""

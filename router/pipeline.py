@@ -93,7 +93,7 @@ class Pipeline:
         """A live instance of ``role`` for ``req``, preferring instances not in ``avoid``
         (those that already failed this request). Raises RequestError (503) when the
         pool has no live instance."""
-        alive = self.registry.alive(role)
+        alive = self.registry.routable(role)
         candidates = [w for w in alive if w.instance_id not in avoid] or alive
         policy = self.policies[role]
         try:
@@ -159,17 +159,20 @@ class Pipeline:
 
     async def generate_disaggregated(self, req, e_id, refs, placeholders, avoid=frozenset()
                                      ) -> AsyncIterator[TokenEvent]:
-        """Reserve KV on a decode worker, prefill into it, stream from it."""
+        """Reserve KV on a decode worker, prefill into it, stream from it. The prefill
+        instance is picked first: the reservation names it as the only writer whose
+        notifications the decode worker accepts."""
         rid = req.request_id
+        p = self._touch(rid, Role.PREFILL, req, avoid)
         d = self._touch(rid, Role.DECODE, req, avoid)
         d.inflight += 1
         try:
             self._enter(rid, RequestState.PREFILL)
-            d.send(ReserveKV(rid, req.prompt_token_ids, req.params, placeholders))
+            d.send(ReserveKV(rid, req.prompt_token_ids, req.params, placeholders, kv_writer=p.instance_id))
             reserved = await self.mailbox.expect(rid, (KVReserved,), self.stage_timeout_s, "KV reservation",
                                                  watch=(d,))
             self.policies[Role.DECODE].reserved(d, rid)  # its next load reports include the blocks
-            done, early = await self._prefill(req, d, reserved, e_id, refs, placeholders, avoid)
+            done, early = await self._prefill(req, p, d, reserved, e_id, refs, placeholders)
             self._enter(rid, RequestState.TRANSFER)
             for msg in reversed(early):  # put the overtaking tokens back in front, in order
                 self.mailbox.requeue_front(rid, msg)
@@ -183,12 +186,11 @@ class Pipeline:
             d.inflight -= 1
             self.policies[Role.DECODE].released(d, rid)
 
-    async def _prefill(self, req, d: WorkerHandle, reserved: KVReserved, e_id, refs, placeholders, avoid
+    async def _prefill(self, req, p: WorkerHandle, d: WorkerHandle, reserved: KVReserved, e_id, refs, placeholders
                        ) -> tuple[PrefillDone, list[TokenOutput]]:
-        """Prefill ``req`` on a prefill worker into ``d``'s reserved blocks: its
-        PrefillDone, and the decode worker's tokens that overtook it."""
+        """Prefill ``req`` on ``p`` into ``d``'s reserved blocks: its PrefillDone, and
+        the decode worker's tokens that overtook it."""
         rid = req.request_id
-        p = self._touch(rid, Role.PREFILL, req, avoid)
         p.inflight += 1
         try:
             self.kv_writer[rid] = (p.instance_id, p.info.pid)
@@ -213,7 +215,8 @@ class Pipeline:
         """The decode stage: ``rid``'s tokens as they come, until the finished one."""
         timeout = first_timeout_s
         while True:
-            msg = await self.mailbox.expect(rid, (TokenOutput,), timeout, "decode", watch=watch)
+            msg = await self.mailbox.expect(rid, (TokenOutput,), timeout, "decode", watch=watch,
+                                            move_off_draining=True)
             timeout = self.token_timeout_s
             self._enter(rid, RequestState.DECODE)
             yield TokenEvent(list(msg.token_ids), msg.finished, msg.finish_reason,

@@ -46,6 +46,10 @@ from epd.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+#: attempts of one request at most, drain moves included
+MAX_ATTEMPTS = 64
+
+
 def check_policy(max_retries: int, kv_failure_policy: str) -> None:
     """Raise ValueError for a bad ``max_retries`` or ``kv_failure_policy``."""
     if kv_failure_policy not in KV_FAILURE_POLICIES:
@@ -97,7 +101,11 @@ class Recovery:
         self.kv_failure_policy = kv_failure_policy
 
     def _give_up(self, e: RequestError, attempt: int) -> bool:
-        """``e`` ends the request: not retryable, or attempt ``attempt`` was the last."""
+        """``e`` ends the request: not retryable, or attempt ``attempt`` was the last. A
+        move off a draining instance is planned, not a failure: it spends no retry
+        (bounded: it happens only while another instance is routable)."""
+        if e.kind == "drain":
+            return attempt >= MAX_ATTEMPTS
         return not e.retryable or attempt >= self.max_retries
 
     async def transcribe(self, request_id: str, items: list[MediaItem]) -> list[str]:

@@ -1,12 +1,16 @@
 """Pool registry: which workers exist, their control sockets, liveness and load.
 
-Membership: a worker joins with ``WorkerReady`` (``register``), which also
-introduces it to the peers it moves data with over NIXL: prefill / aggregated
-workers read embeddings from encoders and write KV to decoders, so each side
-gets the other's ``PeerInfo``. A worker stays alive while its heartbeats (or
-any message) arrive within ``heartbeat_timeout_s``; the launcher can declare it
-dead sooner (``mark_dead``). A restarted worker re-registers under its instance
-id and replaces its old handle.
+Membership: a worker joins with ``WorkerReady`` (``register``), answered with
+``Registered`` (the router's ``epoch``), which also introduces it to the peers it
+moves data with over NIXL: prefill / aggregated workers read embeddings from
+encoders and write KV to decoders, so each side gets the other's ``PeerInfo``
+(only members reach the router's socket: with cluster keys it is CURVE
+authenticated). A worker stays alive while its heartbeats (or any message)
+arrive within ``heartbeat_timeout_s``; the launcher can declare it dead sooner
+(``mark_dead``). A restarted worker re-registers under its instance id and
+replaces its old handle once that one is dead; a second process claiming a live
+instance id is refused (``RegistrationRefused``). A draining worker
+(``Draining``, on SIGTERM) stays alive but is no longer ``routable``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from epd.messages import Heartbeat, Message, PeerGone, PeerInfo, WorkerReady, encode
+from epd.cluster_auth import ClusterKeys
+from epd.messages import (Draining, Heartbeat, Message, PeerGone, PeerInfo, Registered, RegistrationRefused,
+                          RouterPing, WorkerReady, encode)
 from epd.roles import Role
 
 logger = logging.getLogger(__name__)
@@ -33,6 +39,7 @@ class WorkerHandle:
     last_seen: float = field(default_factory=time.monotonic)
     load: Heartbeat | None = None
     inflight: int = 0  # requests the router has routed here and not yet finished
+    draining: bool = False  # it said Draining: alive, but routed nothing new
 
     @property
     def instance_id(self) -> str:
@@ -56,26 +63,72 @@ class WorkerHandle:
 class PoolRegistry:
     """Workers by role; a worker is alive while heartbeats arrive within ``heartbeat_timeout_s``."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, heartbeat_timeout_s: float = 2.0) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, heartbeat_timeout_s: float = 2.0, *,
+                 keys: ClusterKeys | None = None, epoch: int = 0, model: str = "") -> None:
         self.ctx = ctx
+        self.model = model  # the fingerprint every worker must serve ("": not checked)
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.keys = keys
+        self.epoch = epoch
         self.workers: dict[str, WorkerHandle] = {}
+        self._gone_sent: set[tuple[str, int, int]] = set()  # (instance, pid, incarnation) announced gone
+
+    def _connect(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100000)
+        if self.keys is not None:
+            self.keys.client(sock)
+        sock.connect(endpoint)
+        return sock
 
     def add(self, info: WorkerReady) -> WorkerHandle:
         old = self.workers.pop(info.instance_id, None)
         if old is not None:
             old.socket.close(0)
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100000)
-        sock.connect(info.cmd_endpoint)
-        handle = WorkerHandle(info, sock)
+        handle = WorkerHandle(info, self._connect(info.cmd_endpoint))
         self.workers[info.instance_id] = handle
         return handle
 
-    def register(self, info: WorkerReady) -> WorkerHandle:
-        """``add`` a worker that reported ready, and exchange ``PeerInfo`` with its NIXL peers."""
+    def _refuse(self, info: WorkerReady, reason: str, permanent: bool = False) -> None:
+        logger.warning("refused worker %s (pid %d at %s): %s", info.instance_id, info.pid, info.cmd_endpoint, reason)
+        sock = self._connect(info.cmd_endpoint)
+        sock.setsockopt(zmq.LINGER, 1000)  # the answer still goes out after close
+        try:
+            sock.send(encode(RegistrationRefused(info.instance_id, reason, permanent)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        sock.close()
+
+    def register(self, info: WorkerReady) -> WorkerHandle | None:
+        """``add`` a worker that reported ready, answer ``Registered``, and exchange
+        ``PeerInfo`` with its NIXL peers. A repeat of the registered process's own
+        ``WorkerReady`` is answered again; another process claiming the id of a live
+        instance is refused (None)."""
+        if self.model and info.model and info.model != self.model:
+            self._refuse(info, f"it serves another model (fingerprint {info.model}) than this router "
+                               f"({self.model}): start it with the same --model as `epd serve`", permanent=True)
+            return None
+        other = next((w for w in self.workers.values() if w.info.kv_layout is not None
+                      and w.instance_id != info.instance_id), None)
+        if info.kv_layout is not None and other is not None and other.info.kv_layout.dtype != info.kv_layout.dtype:
+            self._refuse(info, f"its KV cache is {info.kv_layout.dtype}, but worker {other.instance_id}'s is "
+                               f"{other.info.kv_layout.dtype}: KV moves between prefill and decode byte for byte, "
+                               f"so start every prefill and decode worker with the same --dtype", permanent=True)
+            return None
+        old = self.workers.get(info.instance_id)
+        if old is not None and info.incarnation and old.info.incarnation == info.incarnation:
+            old.last_seen = time.monotonic()
+            old.send(Registered(info.instance_id, self.epoch))  # its first answer was lost, or it re-joins
+            return old
+        same_process = old is not None and (old.info.pid, _host(old.info.cmd_endpoint)) == (
+            info.pid, _host(info.cmd_endpoint))  # a restart that got the pid back, or the same process anew
+        if old is not None and self.is_alive(old) and not same_process:
+            self._refuse(info, f"instance id {info.instance_id!r} is held by a live worker (pid {old.info.pid} at "
+                               f"{old.info.cmd_endpoint}); give every worker its own --instance-id")
+            return None
         handle = self.add(info)
+        handle.send(Registered(info.instance_id, self.epoch))
         logger.info("worker %s (%s) ready in %.1f s", info.instance_id, info.role, info.startup_s)
         peer = PeerInfo(info.instance_id, info.nixl_metadata, list(info.regions), info.kv_layout, info.pid)
         # Prefill / aggregated workers read from encoders and write to decoders.
@@ -99,6 +152,20 @@ class PoolRegistry:
             if w.load is None or not hb.seq or hb.seq >= w.load.seq:
                 w.load = hb
 
+    def draining(self, msg: Draining) -> None:
+        """``msg``'s worker drains: route nothing new to it."""
+        w = self.workers.get(msg.instance_id)
+        if w is not None and w.info.pid == msg.pid and not w.draining:
+            logger.warning("worker %s (%s) is draining", w.instance_id, w.role)
+            w.draining = True
+
+    def ping(self) -> None:
+        """``RouterPing`` to every registered worker (dead-looking ones too: a thawed
+        worker then finds the router was there all along)."""
+        ping = RouterPing(self.epoch)
+        for w in self.workers.values():
+            w.try_send(ping)
+
     def seen(self, instance_id: str) -> None:
         w = self.workers.get(instance_id)
         if w is not None:
@@ -115,21 +182,45 @@ class PoolRegistry:
         w = self.workers.get(instance_id)
         if w is not None:
             w.last_seen = float("-inf")
-            # Its peers may hold blocks fenced for what it was writing: they are free now.
-            gone = PeerGone(instance_id, w.info.pid)
-            for other in self.workers.values():
-                if other is not w:
-                    other.try_send(gone)
+            self._announce_gone(w)
+
+    def _announce_gone(self, w: WorkerHandle) -> None:
+        """Its peers may hold blocks fenced for what it was writing: tell them they are
+        free (``PeerGone``), once per process incarnation."""
+        key = (w.instance_id, w.info.pid, w.info.incarnation)
+        if key in self._gone_sent:
+            return
+        self._gone_sent.add(key)
+        gone = PeerGone(w.instance_id, w.info.pid)
+        for other in self.workers.values():
+            if other is not w:
+                other.try_send(gone)
+
+    def announce_silent(self, gone_after_s: float) -> None:
+        """``PeerGone`` for every worker silent for ``gone_after_s``: longer than the
+        heartbeat timeout plus a worker's router timeout, so it is either dead, or
+        running but cut off, in which case it has lost this router and dropped every
+        send (``BaseWorker.router_lost``): nothing it was told can still write."""
+        now = time.monotonic()
+        for w in list(self.workers.values()):
+            if now - w.last_seen > gone_after_s:
+                self._announce_gone(w)
 
     def alive(self, role: str | None = None) -> list[WorkerHandle]:
         now = time.monotonic()
         return [w for w in self.workers.values()
                 if (role is None or w.role == role) and now - w.last_seen <= self.heartbeat_timeout_s]
 
-    def counts(self) -> dict[str, int]:
+    def routable(self, role: str | None = None) -> list[WorkerHandle]:
+        """Alive and not draining: where new work may go."""
+        return [w for w in self.alive(role) if not w.draining]
+
+    def counts(self, state: str = "live") -> dict[str, int]:
+        """Instances per role: ``live`` (routable) or ``draining`` (alive, draining)."""
         out: dict[str, int] = {}
         for w in self.alive():
-            out[w.role] = out.get(w.role, 0) + 1
+            if w.draining == (state == "draining"):
+                out[w.role] = out.get(w.role, 0) + 1
         return out
 
     def get(self, instance_id: str) -> WorkerHandle | None:
@@ -143,3 +234,8 @@ class PoolRegistry:
         for w in self.workers.values():
             w.socket.close(0)
         self.workers.clear()
+
+
+def _host(endpoint: str) -> str:
+    """The host of a ``tcp://host:port`` endpoint."""
+    return endpoint.removeprefix("tcp://").rsplit(":", 1)[0]

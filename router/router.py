@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -33,7 +34,9 @@ import zmq
 import zmq.asyncio
 
 from epd.multimodal import MediaItem
-from epd.messages import Heartbeat, KVEvents, Shutdown, StatsRequest, WorkerReady, WorkerStats
+from epd.cluster_auth import ClusterKeys
+from epd.messages import (ROUTER_PING_S, ROUTER_TIMEOUT_S, Draining, Heartbeat, KVEvents, Shutdown, StatsRequest,
+                          WorkerReady, WorkerStats)
 from epd.roles import Role
 from epd.router.kv_index import KVIndex
 from epd.router.mailbox import Mailbox
@@ -42,6 +45,7 @@ from epd.router.policies import RoutingPolicy, build_policy
 from epd.router.recovery import KV_FAILURE_POLICIES, Recovery, check_policy
 from epd.router.registry import PoolRegistry, WorkerHandle
 from epd.router.request import RequestError, RequestState, RequestStates, RouterRequest, TokenEvent
+
 
 __all__ = ["KV_FAILURE_POLICIES", "RequestError", "RequestState", "Router", "RouterRequest", "TokenEvent"]
 
@@ -62,20 +66,32 @@ class Router:
             (``epd.router.policies.POLICIES``; None: the pool's default, media-affinity /
             kv / free-kv); the aggregated ``pd`` pool follows ``prefill_routing``.
         kv_overlap_weight: weight of the blocks still to prefill in the kv policy's cost.
+        keys: the cluster's CURVE keys (``epd.cluster_auth``): every socket authenticated
+            and encrypted. None: no authentication, which only a loopback ``host`` allows.
+        model: ``epd.model_files.model_fingerprint`` of the served checkpoint: a worker
+            reporting another one is refused for good ("": not checked).
+
+    Raises:
+        ClusterKeysError: ``host`` is not loopback and ``keys`` is None.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, stage_timeout_s: float = 120.0,
                  token_timeout_s: float = 120.0, heartbeat_timeout_s: float = 2.0, max_retries: int = 2,
                  kv_failure_policy: str = "retry", encode_routing: str | None = None,
                  prefill_routing: str | None = None, decode_routing: str | None = None,
-                 kv_overlap_weight: float = 1.0) -> None:
+                 kv_overlap_weight: float = 1.0, keys: ClusterKeys | None = None, model: str = "") -> None:
+        from epd.cluster_auth import require_keys
+
         check_policy(max_retries, kv_failure_policy)
+        require_keys(host, keys, "router's control socket", "--router-host")
         self._metrics = None
+        self.epoch = secrets.randbits(63) or 1  # this router process; workers re-join a new one
         self.ctx = zmq.asyncio.Context()
-        self.registry = PoolRegistry(self.ctx, heartbeat_timeout_s)
+        self._auth = keys.start_authenticator(self.ctx) if keys is not None else None
+        self.registry = PoolRegistry(self.ctx, heartbeat_timeout_s, keys=keys, epoch=self.epoch, model=model)
         self.mailbox = Mailbox(self.ctx, host, port, self.registry, {
-            Heartbeat: self.registry.heartbeat, WorkerReady: self._on_ready,
-            KVEvents: self._on_kv_events, WorkerStats: self._on_stats}, self._count, self._on_dead)
+            Heartbeat: self.registry.heartbeat, WorkerReady: self._on_ready, Draining: self.registry.draining,
+            KVEvents: self._on_kv_events, WorkerStats: self._on_stats}, self._count, self._on_dead, keys=keys)
         self.endpoint = self.mailbox.endpoint
         self.kv_index = KVIndex()  # prefix caches of the prefill / pd instances, from their KVEvents
         self.policies: dict[str, RoutingPolicy] = {
@@ -89,11 +105,36 @@ class Router:
         self.recovery = Recovery(self.pipeline, self._count, max_retries=max_retries,
                                  kv_failure_policy=kv_failure_policy)
         self._stats_waiters: dict[int, tuple[asyncio.Future, dict, int]] = {}
+        #: live instances per role that /health requires (``epd serve --pools``); empty: one of each seen
+        self.min_pools: dict[str, int] = {}
         self._tokens = itertools.count()
 
     # ---- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
         self.mailbox.start()
+        self._ping_task = asyncio.create_task(self._ping_loop())
+
+    async def _ping_loop(self) -> None:
+        """``RouterPing`` every ``ROUTER_PING_S`` (workers treat ``ROUTER_TIMEOUT_S`` of
+        silence as a lost router); ``PeerGone`` for workers silent past that; the
+        ``epd_pool_instances`` gauge."""
+        while True:
+            await asyncio.sleep(ROUTER_PING_S)
+            try:
+                self.registry.ping()
+                self.registry.announce_silent(self.registry.heartbeat_timeout_s + ROUTER_TIMEOUT_S + 1.0)
+                self._export_instances()
+            except Exception:  # never let bookkeeping stop the pings
+                import logging
+
+                logging.getLogger(__name__).exception("router ping loop")
+
+    def _export_instances(self) -> None:
+        gauge = self.metrics.pool_instances
+        for state in ("live", "draining"):
+            counts = self.registry.counts(state)
+            for role in Role:
+                gauge.labels(pool=role.value, state=state).set(counts.get(role, 0))
 
     @property
     def metrics(self):
@@ -115,8 +156,17 @@ class Router:
         if shutdown_workers:
             for w in list(self.registry.workers.values()):
                 w.try_send(Shutdown())
+        task = getattr(self, "_ping_task", None)
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
         await self.mailbox.stop()
         self.registry.close()
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
 
     async def wait_ready(self, expected: dict[str, int], timeout_s: float, on_poll=None) -> None:
@@ -150,9 +200,11 @@ class Router:
     def _on_ready(self, msg: WorkerReady) -> None:
         """A worker process joined (or re-joined under its instance id): register it; its
         prefix-cache entries and death record start empty (a new process, a new cache)."""
-        self.kv_index.drop_instance(msg.instance_id)
-        self.mailbox.forget_deaths(msg.instance_id)
-        self.registry.register(msg)
+        old = self.registry.get(msg.instance_id)
+        handle = self.registry.register(msg)
+        if handle is not None and handle is not old:
+            self.kv_index.drop_instance(msg.instance_id)
+            self.mailbox.forget_deaths(msg.instance_id)
 
     def _on_dead(self, w: WorkerHandle) -> None:
         """The registry declared ``w`` dead (silent past the heartbeat timeout, or exited):

@@ -43,3 +43,15 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
                                do_sample=False)
             outs.append(o[0, len(p):].tolist())
     return outs
+
+
+def metric_sum(text: str, name: str, **labels) -> float:
+    """Sum of the samples of metric ``name`` in Prometheus text ``text`` whose labels include ``labels``."""
+    import re
+
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}\{{([^}}]*)\}} ([0-9.e+-]+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total

@@ -19,10 +19,10 @@ def test_generate_json_tiny_matches_offline_api(tiny_model_dirs):
 
     model = tiny_model_dirs["qwen3"]
     r = _epd("generate", "--model", model, "--prompt", "hello world", "--max-tokens", "8",
-             "--temperature", "0", "--no-chat", "--json")
+             "--temperature", "0", "--no-chat", "--json", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
-    llm = LLM(model)
+    llm = LLM(model, dtype="float32")
     expected = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
     llm.shutdown()
     assert got["token_ids"] == expected.token_ids

@@ -144,3 +144,19 @@ def test_build_plan_reports_spec_errors_before_model_errors():
         build_launch_plan("p:1,pd:1", None, **SMOL)
     with pytest.raises(LaunchSpecError, match="encode pool has no tensor parallelism"):
         build_launch_plan("e:2,p:1,d:1", "e:2", **SMOL)
+
+
+def test_launch_refuses_bad_engine_settings_before_starting_workers():
+    """A negative stall-free cap or an unknown dtype fails `epd launch` at once (LaunchConfig),
+    not in every worker it would start; the given ones are forwarded, switches as flags."""
+    from epd.launch_config import LaunchConfig
+
+    with pytest.raises(LaunchSpecError, match="max_prefill_tokens_with_decodes must be >= 0"):
+        LaunchConfig(max_prefill_tokens_with_decodes=-5)
+    with pytest.raises(LaunchSpecError, match="dtype must be one of"):
+        LaunchConfig(dtype="fp8")
+    args = LaunchConfig(max_prefill_tokens_with_decodes=0, dtype="float32", compile=True,
+                        cuda_graph_sizes=(1, 2, 4)).forwarded_worker_args()
+    assert args == ["--max-prefill-tokens-with-decodes", "0", "--dtype", "float32", "--compile",
+                    "--cuda-graph-sizes", "1,2,4"]
+    assert LaunchConfig().forwarded_worker_args() == []

@@ -96,11 +96,14 @@ def test_layout_of_design_example():
                       + [("decode", f"decode-{i}", 0, 1) for i in range(8)])
     assert [s.device_index for s in la.slots] == list(range(14))
     assert la.num_processes == 14
-    assert la.threads_per_worker == default_threads_per_worker(14)
+    assert la.threads_per_worker is None  # the thread budget for single-rank workers
     argv = la._argv(la.slots[4])
     assert argv == [sys.executable, "-m", "epd.cli", "worker", "--role", "prefill", "--instance-id", "prefill-0",
                     "--rank", "2", "--tp", "4", "--router", "tcp://127.0.0.1:5555", "--model", "/models/x",
-                    "--threads", str(la.threads_per_worker)]
+                    "--threads", str(default_threads_per_worker(14))]  # TP ranks: a fixed even share
+    assert "--threads" not in la._argv(la.slots[0]) and "--threads" not in la._argv(la.slots[-1])
+    fixed = Launcher(plan, model="/models/x", router_endpoint="tcp://127.0.0.1:5555", threads_per_worker=3)
+    assert fixed._argv(fixed.slots[0])[-2:] == ["--threads", "3"]
 
 
 def test_worker_argv_extra_and_no_model():

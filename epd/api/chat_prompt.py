@@ -19,8 +19,11 @@ import re
 import uuid
 from typing import Any
 
+from epd.api.cpu_pool import CpuPool, shared_pool
 from epd.api.media_fetch import MediaFetcher
 from epd.api.protocol import BadRequest, ChatRequest, ImagePart, TextPart
+from epd.api.tool_parsers import PARSERS, detect_parser
+from epd.api.tools import ToolPlan, fallback_messages, template_message, template_renders_tools
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
 
 
@@ -118,10 +121,17 @@ def decode_b64(data: str, param: str) -> bytes:
 class ChatPromptRenderer:
     """Renders a ``ChatRequest``'s messages for one model: decodes (or fetches) the
     media parts for the processor, transcribes audio for text-only models through
-    ``router.transcribe``, and applies the chat template."""
+    ``router.transcribe``, and applies the chat template. The template, tokenization
+    and audio decoding run in ``cpu`` (default: ``shared_pool()``), off the event loop."""
 
-    def __init__(self, router, tokenizer, processor: MultiModalProcessor, fetcher: MediaFetcher) -> None:
+    def __init__(self, router, tokenizer, processor: MultiModalProcessor, fetcher: MediaFetcher,
+                 cpu: CpuPool | None = None, tool_parser: str | None = None) -> None:
+        """``tool_parser``: the format the model writes tool calls in (``epd.api.tool_parsers.PARSERS``;
+        None: detected from the chat template)."""
         self.router, self.tokenizer, self.processor, self.fetcher = router, tokenizer, processor, fetcher
+        self.tool_parser = PARSERS[tool_parser or detect_parser(getattr(tokenizer, "chat_template", None))]
+        self.native_tools = template_renders_tools(tokenizer)
+        self.cpu = cpu or shared_pool()
         self.image_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["image"])
                           if "image" in processor.placeholder_ids else None)
         self.audio_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["audio"])
@@ -159,10 +169,11 @@ class ChatPromptRenderer:
                 raise BadRequest(f"at most {processor.max_items_per_prompt} media items per request", param)
         return parts
 
-    async def render(self, body: ChatRequest, rid: str) -> tuple[list[int], dict]:
+    async def render(self, body: ChatRequest, rid: str, plan: ToolPlan | None = None) -> tuple[list[int], dict]:
         """The prompt's token ids (the chat template's text) and the media items, in prompt
         order; ``rid``: the router request id of the audio's transcription (unique, made
-        by the server).
+        by the server); ``plan``: the request's tools (``epd.api.tools``), rendered by the
+        template when it shows tools, else described in a system message.
 
         Content parts become HF-style ``{"type": "image"}`` / ``{"type": "audio"}``
         entries when the model's template renders them; otherwise each item
@@ -172,21 +183,21 @@ class ChatPromptRenderer:
         Raises:
             BadRequest: a media part the model does not take, bad media data, too many
                 items, or a conversation the chat template rejects.
+            CapacityError: the CPU pool is full.
         """
         processor, literal = self.processor, self.literal
         images, audios, msgs = [], [], []
         for i, m in enumerate(body.messages):
             if not isinstance(m.content, list):
-                msgs.append({"role": m.role, "content": literal.escape(m.content or "")})
+                msgs.append(template_message(m, literal.escape(m.content or "")))
                 continue
-            msgs.append({"role": m.role, "content": await self._parts(m.content, f"messages.{i}.content", images,
-                                                                      audios)})
+            msgs.append(template_message(m, await self._parts(m.content, f"messages.{i}.content", images,
+                                                              audios)))
         mm: dict[str, Any] = {}
         if images:
             mm["image"] = images
         if audios and processor.modalities.get("audio") == "transcribe":
-            # decoding media is CPU work: off the event loop, so other streams keep flowing
-            items = await asyncio.to_thread(lambda: [processor.audio_item(a) for a in audios])
+            items = await self.cpu.run(lambda: [processor.audio_item(a) for a in audios])
             texts = iter(await self.router.transcribe(rid, items))
             for msg in msgs:  # each transcript where its clip stood
                 if isinstance(msg["content"], list):
@@ -197,8 +208,22 @@ class ChatPromptRenderer:
         for msg in msgs:
             if isinstance(msg["content"], list):
                 msg["content"] = flatten(msg["content"], self.image_tok, self.audio_tok, self.structured)
+        return await self.cpu.run(self._template, msgs, plan), mm
+
+    def _template(self, msgs: list[dict], plan: ToolPlan | None = None) -> list[int]:
+        """Token ids of the chat template over ``msgs`` and the tools of ``plan`` (runs in the CPU pool).
+
+        Raises:
+            BadRequest: the template rejects the messages.
+        """
+        kw = {}
+        if self.native_tools:
+            if plan is not None:
+                kw["tools"] = plan.template_tools()
+        elif plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
+            msgs = fallback_messages(msgs, plan, self.tool_parser)
         try:
-            prompt = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            prompt = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
         except Exception as e:  # jinja raises for conversations the template rejects
             raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
-        return literal.encode(prompt), mm
+        return self.literal.encode(prompt)

@@ -7,7 +7,6 @@ renders the prompt, builds one router request per choice and answers through
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 import uuid
@@ -18,15 +17,18 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from epd.api.chat_prompt import ChatPromptRenderer
+from epd.api.constraints import checked, requested_constraint
+from epd.api.tools import ToolPlan, tool_plan
 from epd.api.protocol import (BadRequest, ChatRequest, CompletionRequest, SamplingFields, error_response,
                               has_lone_surrogate, too_many_requests)
 from epd.api.streaming import Choice, CompletionResponder, RequestTimer
 from epd.detokenizer import IncrementalDetokenizer
 from epd.encoders.media import MediaError
-from epd.encoders.processor import MultiModalProcessor
-from epd.errors import InvalidRequestError
+from epd.encoders.processor import MultiModalProcessor, ProcessedPrompt
+from epd.errors import CapacityError, InvalidRequestError
 from epd.router.router import RequestError, RouterRequest
 from epd.sampling_params import SamplingParams
+from epd.structured_outputs import StructuredOutputs
 
 
 class ApiState:
@@ -87,13 +89,18 @@ class CompletionService:
         if release is None:
             return too_many_requests(settings.max_pending_requests)
         try:
+            self.check_unsupported(body)
+            plan = tool_plan(body, self.renderer.tool_parser.name) if chat else None
+            constraint = await self.renderer.cpu.run(self.constraint, body, plan)
             if chat:
-                prompt, mm = await self.renderer.render(body, f"asr-{uuid.uuid4().hex}")
+                prompt, mm = await self.renderer.render(body, f"asr-{uuid.uuid4().hex}", plan)
             else:
                 prompt, mm = body.prompt, {}
-            self.check_unsupported(body)
             batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-            rid, choices = await self.prepare(body, list(prompt) if batch else [prompt], mm, chat)
+            rid, choices = await self.prepare(body, list(prompt) if batch else [prompt], mm, chat, constraint)
+            if plan is not None and plan.parses:
+                for c in choices:
+                    c.parse_tools(plan)
             return await self.responder.respond(request, body, rid, choices, chat, timer, release)
         except BadRequest as e:
             release()
@@ -104,6 +111,9 @@ class CompletionService:
         except RequestError as e:
             release()
             return error_response(e.status if e.status in (400, 429, 503, 504) else 500, str(e))
+        except CapacityError as e:  # the API's CPU pool is full
+            release()
+            return error_response(503, str(e))
         except BaseException:
             release()
             raise
@@ -122,14 +132,26 @@ class CompletionService:
                 raise BadRequest("suffix is not supported", "suffix")
             if body.best_of is not None and body.best_of != (body.n or 1):
                 raise BadRequest("best_of other than n is not supported", "best_of")
-        else:
-            if body.tools:
-                raise BadRequest("tools are not supported by this server", "tools")
-            if body.response_format and body.response_format.get("type", "text") != "text":
-                raise BadRequest("only response_format {'type': 'text'} is supported", "response_format")
 
-    def sampling(self, body: SamplingFields, prompt_len: int, logprobs: int | None) -> tuple[SamplingParams,
-                                                                                              list[str]]:
+    @staticmethod
+    def constraint(body: SamplingFields, plan: ToolPlan | None) -> StructuredOutputs | None:
+        """The output constraint of ``response_format`` / ``structured_outputs`` or of a forced
+        tool call, compiled once (runs in the CPU pool: a large schema takes a while).
+
+        Raises:
+            BadRequest: two constraints at once, or one that does not compile (``param`` names it).
+        """
+        forced = plan.constraint() if plan is not None else None
+        asked = requested_constraint(body)
+        if forced is not None and asked is not None:
+            raise BadRequest(f"tool_choice {plan.choice!r} forces a tool call; it cannot be combined with "
+                             f"{asked[1].split('.')[0]}", "tool_choice")
+        if asked is not None:
+            return checked(*asked)
+        return forced
+
+    def sampling(self, body: SamplingFields, prompt_len: int, logprobs: int | None,
+                 constraint: StructuredOutputs | None = None) -> tuple[SamplingParams, list[str]]:
         """The request's sampling parameters and stop strings; ``max_tokens`` defaults
         to the context left (capped by ``settings.default_max_tokens``)."""
         settings, max_model_len = self.settings, self.max_model_len
@@ -153,12 +175,14 @@ class CompletionService:
               if getattr(body, k) is not None}
         try:
             sp = SamplingParams(**kw, seed=body.seed, max_tokens=max_tokens, stop=stop,
-                                ignore_eos=bool(body.ignore_eos), logprobs=logprobs)
+                                ignore_eos=bool(body.ignore_eos), logprobs=logprobs,
+                                structured_outputs=constraint)
         except ValueError as e:
             raise BadRequest(str(e)) from None
         return sp, list(sp.stop)
 
-    async def prepare(self, body: SamplingFields, prompts: list, mm: dict, chat: bool) -> tuple[str, list[Choice]]:
+    async def prepare(self, body: SamplingFields, prompts: list, mm: dict, chat: bool,
+                      constraint: StructuredOutputs | None = None) -> tuple[str, list[Choice]]:
         """The request id and one ``Choice`` per (prompt, sample): index ``p * n + i``."""
         rid = self.state.request_id(chat)
         max_n = self.settings.max_n
@@ -167,12 +191,17 @@ class CompletionService:
                              f"{max_n} per request", "prompt" if len(prompts) > 1 else "n")
         choices: list[Choice] = []
         for p, prompt in enumerate(prompts):
-            choices += await self.prepare_one(body, prompt, mm, chat, rid, p)
+            choices += await self.prepare_one(body, prompt, mm, chat, rid, p, constraint)
         return rid, choices
 
-    async def prepare_one(self, body: SamplingFields, prompt: str | list[int], mm: dict, chat: bool, rid: str,
-                          p: int) -> list[Choice]:
-        """The ``n`` choices of prompt ``p`` (text, or token ids)."""
+    def tokens(self, prompt: str | list[int], mm: dict, chat: bool) -> ProcessedPrompt:
+        """Prompt ``prompt`` (text, or token ids) with media ``mm`` as the processor's
+        prompt (in the CPU pool: tokenization and media decoding are CPU work).
+
+        Raises:
+            BadRequest: a token id outside the vocabulary, or an empty prompt.
+            InvalidRequestError / MediaError: from the processor.
+        """
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
@@ -183,15 +212,19 @@ class CompletionService:
             ids_ = literal.encode(literal.escape(prompt), add_special_tokens=not chat)
         if not ids_:
             raise BadRequest("the prompt is empty", "prompt")
-        processor = self.processor
-        processed = await asyncio.to_thread(processor.process, ids_, mm) if mm else processor.process(ids_, mm)
+        return self.processor.process(ids_, mm)
+
+    async def prepare_one(self, body: SamplingFields, prompt: str | list[int], mm: dict, chat: bool, rid: str,
+                          p: int, constraint: StructuredOutputs | None = None) -> list[Choice]:
+        """The ``n`` choices of prompt ``p`` (text, or token ids)."""
+        processed = await self.renderer.cpu.run(self.tokens, prompt, mm, chat)
         if isinstance(body, ChatRequest):
             if body.top_logprobs is not None and not body.logprobs:
                 raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
             logprobs = body.logprobs
-        sp, stop = self.sampling(body, len(processed.prompt_token_ids), logprobs)
+        sp, stop = self.sampling(body, len(processed.prompt_token_ids), logprobs, constraint)
         choices = []
         n = body.n or 1
         for i in range(n):

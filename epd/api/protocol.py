@@ -4,7 +4,7 @@ Request bodies follow OpenAI's API reference (chat completions, completions) as 
 official ``openai`` SDK sends them; unknown fields are ignored. Types are strict, as
 OpenAI's are: ``"max_tokens": "16"``, ``"stream": "yes"`` or ``"temperature": true`` are
 400s naming the field (an integer is still a valid number: ``"temperature": 1``). vLLM's OpenAI server
-is the model for the extras (``top_k``, ``ignore_eos``). Errors are OpenAI's
+is the model for the extras (``top_k``, ``ignore_eos``, ``structured_outputs``). Errors are OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` body.
 """
 
@@ -51,10 +51,74 @@ class AudioPart(_Body):
 ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """An assistant message's earlier tool call (``messages[i].tool_calls[j]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call this one."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs`` extension (sent through the SDK's ``extra_body``):
+    exactly one of a JSON schema, a regex, a choice of strings, a grammar (Lark or GBNF)
+    or ``json_object``."""
+
+    json_schema: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(_Body):
@@ -79,6 +143,8 @@ class SamplingFields(_Body):
     ignore_eos: bool | None = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -99,8 +165,9 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def has_lone_surrogate(obj) -> bool:

@@ -10,38 +10,50 @@ import itertools
 import uuid
 
 from epd.api.chat_prompt import LiteralText, flatten, template_takes_parts
+from epd.api.cpu_pool import CpuPool, shared_pool
 from epd.api.realtime_events import ClientError, Item, Part, ResponseState, new_id
 from epd.api.segmenter import PhraseSegmenter
 from epd.api.streaming import RequestTimer
 from epd.detokenizer import IncrementalDetokenizer
 from epd.encoders.media import MediaError
-from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
-from epd.errors import InvalidRequestError
+from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor, ProcessedPrompt
+from epd.errors import CapacityError, InvalidRequestError
 from epd.router.router import RequestError, RouterRequest
 from epd.sampling_params import SamplingParams
 
 #: how long a transcription waits for an encode pool that is down (503) to come back
 ASR_RETRY_S = 10.0
 
+#: one conversation item as a prompt: its chat message (None: left out) and its audio clips
+_Turn = tuple[dict | None, list]
+
 
 class ConversationPrompt:
-    """Renders conversation items through the model's chat template into a router request."""
+    """Renders conversation items through the model's chat template into a router request.
 
-    def __init__(self, tokenizer, processor: MultiModalProcessor, max_model_len: int) -> None:
+    ``cpu``: the pool the render, tokenization and audio features run in, off the event
+    loop (default: the process's, ``shared_pool``).
+    """
+
+    def __init__(self, tokenizer, processor: MultiModalProcessor, max_model_len: int,
+                 cpu: CpuPool | None = None) -> None:
         self.tokenizer, self.processor, self.max_model_len = tokenizer, processor, max_model_len
+        self.cpu = cpu or shared_pool()
         self.embed_audio = processor.modalities.get("audio") == "embed"
         self.audio_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["audio"])
                           if self.embed_audio else AUDIO_PLACEHOLDER)
         self.structured = template_takes_parts(tokenizer, None, self.audio_tok if self.embed_audio else None)
         self.literal = LiteralText(tokenizer, processor.placeholder_ids)  # typed placeholders stay text
 
-    async def messages(self, items: list[Item], instructions: str | None) -> tuple[list[dict], list]:
-        """Chat messages of ``items`` (transcripts awaited) and their audio clips, in order."""
+    async def messages(self, items: list[Item], instructions: str | None) -> tuple[list[dict], list[_Turn]]:
+        """The system message of ``instructions`` (none without), and per item its chat
+        message (None: an answer cancelled before its first word) and audio clips, in
+        order; transcripts awaited."""
         escape = self.literal.escape
-        msgs: list[dict] = [{"role": "system", "content": escape(instructions)}] if instructions else []
-        audios = []
+        head: list[dict] = [{"role": "system", "content": escape(instructions)}] if instructions else []
+        turns: list[_Turn] = []
         for it in items:
-            parts = []
+            parts, audios = [], []
             for p in it.parts:
                 if p.type != "input_audio":
                     parts.append({"type": "text", "text": escape(p.text or "")})
@@ -51,39 +63,26 @@ class ConversationPrompt:
                 else:
                     text = await asyncio.shield(p.asr) if p.asr is not None else (p.transcript or "")
                     parts.append({"type": "text", "text": escape(text)})
-            if it.role == "assistant" and not any(p.get("text") for p in parts):
-                continue  # an answer cancelled before its first word
-            msgs.append({"role": it.role, "content": flatten(parts, None, self.audio_tok, self.structured)})
-        return msgs, audios
+            skip = it.role == "assistant" and not any(p.get("text") for p in parts)
+            turns.append((None if skip else {"role": it.role, "content": flatten(parts, None, self.audio_tok,
+                                                                                 self.structured)}, audios))
+        return head, turns
 
     async def build_request(self, resp: ResponseState) -> tuple[RouterRequest, int]:
         """The router request of a response and its number of audio placeholder tokens.
 
-        Drops the oldest items while the prompt plus ``max_output_tokens`` (at least
-        one token) does not fit ``max_model_len``.
+        Keeps the newest items whose prompt plus ``max_output_tokens`` (at least one
+        token) fits ``max_model_len`` (the oldest are dropped); the prompt is rendered in
+        the CPU pool, at most ``2 + ceil(log2(len(items)))`` times (``_fit``).
 
         Raises:
             ClientError: nothing to answer, or the newest item alone is too long.
             InvalidRequestError / MediaError: from the processor.
+            CapacityError: the CPU pool is full.
         """
-        items = list(resp.items)
-        while True:
-            msgs, audios = await self.messages(items, resp.instructions)
-            try:
-                text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # jinja raises for conversations the template rejects
-                raise ClientError(f"the model's chat template rejected the conversation: {e}") from None
-            ids = self.literal.encode(text)
-            processed = self.processor.process(ids, {"audio": audios} if audios else None)
-            n = len(processed.prompt_token_ids)
-            want = 1 if resp.max_output_tokens == "inf" else resp.max_output_tokens
-            if n + want <= self.max_model_len:
-                break
-            if len(items) == 1:
-                raise ClientError(f"the newest item alone makes a {n}-token prompt; with max_output_tokens "
-                                  f"{resp.max_output_tokens} it does not fit max_model_len {self.max_model_len}",
-                                  None, "context_length_exceeded")
-            items.pop(0)
+        head, turns = await self.messages(list(resp.items), resp.instructions)
+        processed = await self.cpu.run(self._fit, head, turns, resp.max_output_tokens)
+        n = len(processed.prompt_token_ids)
         max_tokens = self.max_model_len - n if resp.max_output_tokens == "inf" else resp.max_output_tokens
         sp = SamplingParams(temperature=resp.temperature, max_tokens=max_tokens)
         req = RouterRequest(f"{resp.id}-{uuid.uuid4().hex[:6]}", processed.prompt_token_ids,
@@ -92,9 +91,68 @@ class ConversationPrompt:
                            if it.modality == "audio")
         return req, audio_tokens
 
+    def _render(self, head: list[dict], turns: list[_Turn], k: int) -> list[int]:
+        """Token ids of the chat template over ``head`` and the messages of ``turns[k:]``."""
+        msgs = head + [m for m, _ in turns[k:] if m is not None]
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja raises for conversations the template rejects
+            raise ClientError(f"the model's chat template rejected the conversation: {e}") from None
+        return self.literal.encode(text)
+
+    def _process(self, ids: list[int], turns: list[_Turn], k: int) -> ProcessedPrompt:
+        """The processor's prompt of ``ids``, the render of ``turns[k:]``, with their clips."""
+        audios = [a for _, clips in turns[k:] for a in clips]
+        return self.processor.process(ids, {"audio": audios} if audios else None)
+
+    def _fit(self, head: list[dict], turns: list[_Turn], max_output_tokens: int | str) -> ProcessedPrompt:
+        """The prompt of the newest turns, as many as leave ``max_output_tokens`` (at least
+        one token) of ``max_model_len``; runs in the CPU pool.
+
+        The same prompt as dropping the oldest turn and re-rendering until it fits, since
+        dropping turns only shortens a prompt, but the first turn kept is found by
+        bisection: ``2 + ceil(log2(len(turns)))`` renders at most (one when everything
+        fits), and each clip's features are computed at most twice.
+
+        Raises:
+            ClientError: the template rejects the messages, or the newest turn alone is too long.
+        """
+        limit = self.max_model_len - (1 if max_output_tokens == "inf" else max_output_tokens)
+        full = self._process(self._render(head, turns, 0), turns, 0)
+        n = len(full.prompt_token_ids)
+        if n <= limit:
+            return full
+        # extra[k]: the tokens the clips of turns[k:] add past their placeholder token (full.items: the clips, in order)
+        extra = [0] * (len(turns) + 1)
+        clip_tokens = reversed([it.num_tokens - 1 for it in full.items])
+        for k in range(len(turns) - 1, -1, -1):
+            extra[k] = extra[k + 1] + sum(next(clip_tokens) for _ in turns[k][1])
+        ids: dict[int, list[int]] = {}
+
+        def size(k: int) -> int:
+            ids[k] = self._render(head, turns, k)
+            return len(ids[k]) + extra[k]
+
+        lo, hi = 0, len(turns) - 1  # turns[lo:] is too long; turns[hi:] is the last candidate
+        if hi > 0:
+            n = size(hi)
+        if n > limit:
+            raise ClientError(f"the newest item alone makes a {n}-token prompt; with max_output_tokens "
+                              f"{max_output_tokens} it does not fit max_model_len {self.max_model_len}", None,
+                              "context_length_exceeded")
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if size(mid) <= limit:
+                hi = mid
+            else:
+                lo = mid
+        return self._process(ids[hi], turns, hi)
+
 
 def _failure(e: Exception) -> dict:
     """``status_details`` of a response that failed with ``e``."""
+    if isinstance(e, CapacityError):  # the API's CPU pool is full: a later response may get through
+        return {"type": "failed", "error": {"type": "server_error", "code": "service_unavailable", "message": str(e)}}
     code = getattr(e, "code", None) or ("invalid_request" if isinstance(e, (InvalidRequestError, MediaError))
                                         else "server_error")
     return {"type": "failed", "error": {"type": "invalid_request_error" if code != "server_error"
@@ -138,7 +196,7 @@ class ResponseStream:
             except asyncio.CancelledError:
                 resp.status = "cancelled"
                 resp.status_details = {"type": "cancelled", "reason": resp.cancel_reason or "client_cancelled"}
-            except (ClientError, InvalidRequestError, MediaError, RequestError) as e:
+            except (ClientError, CapacityError, InvalidRequestError, MediaError, RequestError) as e:
                 timer.finished = True
                 resp.status, resp.status_details = "failed", _failure(e)
             finally:
@@ -211,10 +269,11 @@ class ResponseStream:
 
 class Transcriber:
     """Text-only models: each committed audio part is transcribed in the E pool as
-    soon as it arrives; ``emit`` sends the ``...input_audio_transcription.*`` events."""
+    soon as it arrives; ``emit`` sends the ``...input_audio_transcription.*`` events;
+    ``cpu``: the pool that decodes and resamples the clips (default: ``shared_pool()``)."""
 
-    def __init__(self, api, emit) -> None:
-        self.api, self.emit = api, emit
+    def __init__(self, api, emit, cpu: CpuPool | None = None) -> None:
+        self.api, self.emit, self.cpu = api, emit, cpu or shared_pool()
         self.tasks: set[asyncio.Task] = set()
 
     def start(self, item: Item) -> None:
@@ -251,7 +310,7 @@ class Transcriber:
         worker missed heartbeats on a busy machine) is retried for ``ASR_RETRY_S``."""
         rid = new_id("asr")  # the server's own: a client's item id is the client's, not unique across sessions
         try:
-            media = self.api.processor.audio_item((part.pcm, part.rate))
+            media = await self.cpu.run(self.api.processor.audio_item, (part.pcm, part.rate))
             deadline = asyncio.get_running_loop().time() + ASR_RETRY_S
             for attempt in itertools.count():
                 try:

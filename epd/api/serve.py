@@ -1,10 +1,14 @@
-"""``epd launch``: router + worker pools + HTTP API in one command."""
+"""``epd serve`` (router + HTTP API; workers join from any host) and ``epd launch``
+(the same, plus every worker process on this host)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import socket
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -69,80 +73,123 @@ def api_settings(config: LaunchConfig):
                        max_n=config.max_n, allowed_media_domains=tuple(domains),
                        media_fetch_timeout_s=config.media_fetch_timeout,
                        max_media_bytes=int(config.max_media_mb * 2**20),
-                       max_realtime_sessions=config.max_realtime_sessions, allowed_origins=tuple(origins))
+                       max_realtime_sessions=config.max_realtime_sessions, allowed_origins=tuple(origins),
+                       tool_call_parser=config.tool_call_parser)
 
 
-async def serve(plan, model_dir: Path, config: LaunchConfig, t0: float, worker_args: list[str],
-                http_socket: socket.socket | None = None) -> int:
-    """Start the router, spawn the workers, wait until all are ready, serve HTTP until stopped.
+async def serve(config: LaunchConfig, model_dir: Path, t0: float, *, plan=None, worker_args: list[str] = (),
+                http_socket: socket.socket | None = None, min_pools: dict[str, int] | None = None) -> int:
+    """The router and the HTTP API; with ``plan`` (``epd launch``) also the worker processes.
+
+    - ``epd serve`` (no ``plan``): workers join from anywhere (``epd worker --router``);
+      ``/health`` answers 503 until ``min_pools`` (live instances per role) are there.
+    - ``epd launch``: spawns ``plan``'s workers on this host with fresh cluster keys
+      (unless ``config.cluster_keys`` names some), waits until every one is ready,
+      and supervises them (restarts); ``/health`` needs them all.
 
     ``http_socket``: ``config.host:config.port`` already bound (not listening), as
     :func:`epd.launcher.check_port_free` keeps it; None binds the port when serving.
     Returns the process exit code. Every child is stopped on the way out.
+
+    Raises:
+        ClusterKeysError: a non-loopback router address without keys, or unreadable keys.
     """
     import uvicorn
     from transformers import AutoConfig, AutoTokenizer
 
     from epd import metrics
     from epd.api.app import build_app
+    from epd.cluster_auth import load_keys
     from epd.encoders.processor import MultiModalProcessor
-    from epd.launcher import Launcher, default_threads_per_worker
+    from epd.model_files import model_fingerprint
     from epd.router.router import Router
 
     metrics.setup_multiprocess_dir()
-    router = Router(port=config.router_port, stage_timeout_s=config.stage_timeout,
-                    token_timeout_s=config.token_timeout, max_retries=config.max_retries,
-                    kv_failure_policy=config.kv_failure_policy, encode_routing=config.encode_routing,
-                    prefill_routing=config.prefill_routing, decode_routing=config.decode_routing,
-                    kv_overlap_weight=config.kv_overlap_weight)
-    await router.start()
-    num_procs = sum(p.devices for p in plan)
-    threads = config.threads_per_worker or default_threads_per_worker(num_procs)
-    launcher = Launcher(plan, model=str(model_dir), router_endpoint=router.endpoint, threads_per_worker=threads,
-                        extra_worker_args=worker_args, rank0_spawns_ranks=True)
-    try:
-        launcher.start()
+    with contextlib.ExitStack() as cleanup:
+        keys_dir = config.cluster_keys
+        if plan is not None and keys_dir is None and not os.environ.get("EPD_CLUSTER_KEYS"):
+            from epd.cluster_auth import generate_keys
 
-        def check_children() -> None:
-            dead = launcher.poll_dead()
-            if dead:
-                raise RuntimeError("worker died during start-up: " + "; ".join(d.describe() for d in dead))
-
-        expected: dict[Role, int] = {}
-        for p in plan:
-            expected[p.role] = expected.get(p.role, 0) + p.instances
-        await router.wait_ready(expected, config.ready_timeout, on_poll=check_children)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        hf_config = AutoConfig.from_pretrained(str(model_dir))
-        processor = MultiModalProcessor(str(model_dir), hf_config)
-        text_cfg = hf_config.get_text_config()
-        max_model_len = config.max_model_len or text_cfg.max_position_embeddings
-        # A worker whose KV cache holds fewer tokens lowers its max_model_len: serve the smallest.
-        lens = [int(st["max_model_len"]) for st in (await router.worker_stats(timeout_s=30.0)).values()
-                if "max_model_len" in st]
-        max_model_len = min([max_model_len, *lens])
-        model_name = config.model or "SmolLM2-135M-Instruct"
-        app = build_app(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
-                        metrics_render=metrics.render_latest, metrics=metrics.get_metrics(),
-                        settings=api_settings(config), vocab_size=text_cfg.vocab_size)
-        uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="off")
-        server = uvicorn.Server(uv_config)
-        pools = ",".join(f"{p.role}:{p.devices}" for p in plan)
-        sock = http_socket
-        if sock is not None:
-            sock.listen(uv_config.backlog)  # connections made after the line below queue until uvicorn accepts
-        port = sock.getsockname()[1] if sock is not None else config.port
-        print(f"epd: serving {model_name} on http://{config.host}:{port} (pools {pools}; "
-              f"ready in {time.monotonic() - t0:.1f} s)", flush=True)
-        supervisor = asyncio.create_task(supervise(launcher, router, config.max_worker_restarts))
+            keys_dir = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="epd-keys-")) + "/keys"
+            generate_keys(keys_dir)  # this launch's own cluster: only its workers can join
+        keys = load_keys(keys_dir)
+        router = Router(host=config.router_host, port=config.router_port, stage_timeout_s=config.stage_timeout,
+                        token_timeout_s=config.token_timeout, max_retries=config.max_retries,
+                        kv_failure_policy=config.kv_failure_policy, encode_routing=config.encode_routing,
+                        prefill_routing=config.prefill_routing, decode_routing=config.decode_routing,
+                        kv_overlap_weight=config.kv_overlap_weight, keys=keys, model=model_fingerprint(model_dir))
+        await router.start()
+        launcher = None
         try:
-            await server.serve(sockets=[sock] if sock is not None else None)
+            if plan is not None:
+                launcher = _start_workers(plan, model_dir, config, router, list(worker_args), keys)
+                expected: dict[Role, int] = {}
+                for p in plan:
+                    expected[p.role] = expected.get(p.role, 0) + p.instances
+                router.min_pools = dict(expected)
+
+                def check_children() -> None:
+                    dead = launcher.poll_dead()
+                    if dead:
+                        raise RuntimeError("worker died during start-up: " + "; ".join(d.describe() for d in dead))
+
+                await router.wait_ready(expected, config.ready_timeout, on_poll=check_children)
+            else:
+                router.min_pools = dict(min_pools or {})
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            hf_config = AutoConfig.from_pretrained(str(model_dir))
+            processor = MultiModalProcessor(str(model_dir), hf_config)
+            text_cfg = hf_config.get_text_config()
+            max_model_len = config.max_model_len or text_cfg.max_position_embeddings
+            if plan is not None:
+                # A worker whose KV cache holds fewer tokens lowers its max_model_len: serve the smallest.
+                lens = [int(st["max_model_len"]) for st in (await router.worker_stats(timeout_s=30.0)).values()
+                        if "max_model_len" in st]
+                max_model_len = min([max_model_len, *lens])
+            model_name = config.model or "SmolLM2-135M-Instruct"
+            app = build_app(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
+                            metrics_render=metrics.render_latest, metrics=metrics.get_metrics(),
+                            settings=api_settings(config), vocab_size=text_cfg.vocab_size)
+            uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", lifespan="off")
+            server = uvicorn.Server(uv_config)
+            sock = http_socket
+            if sock is not None:
+                sock.listen(uv_config.backlog)  # connections made after the line below queue until uvicorn accepts
+            port = sock.getsockname()[1] if sock is not None else config.port
+            pools = ",".join(f"{r}:{n}" for r, n in router.min_pools.items())
+            if plan is not None:
+                print(f"epd: serving {model_name} on http://{config.host}:{port} (pools {pools}; "
+                      f"ready in {time.monotonic() - t0:.1f} s)", flush=True)
+            else:
+                print(f"epd: serving {model_name} on http://{config.host}:{port}; workers join at {router.endpoint}"
+                      f" (cluster keys: {'yes' if keys else 'none, loopback only'}); /health is 200 once the pools "
+                      f"have {pools or 'one instance each'}", flush=True)
+            supervisor = (asyncio.create_task(supervise(launcher, router, config.max_worker_restarts))
+                          if launcher is not None else None)
+            try:
+                await server.serve(sockets=[sock] if sock is not None else None)
+            finally:
+                if supervisor is not None:
+                    supervisor.cancel()
+            return 0
+        except (RuntimeError, TimeoutError) as e:
+            print(f"epd {'launch' if plan is not None else 'serve'}: {e}", file=sys.stderr)
+            return 1
         finally:
-            supervisor.cancel()
-        return 0
-    except (RuntimeError, TimeoutError) as e:
-        print(f"epd launch: {e}", file=sys.stderr)
-        return 1
-    finally:
-        await router.stop()
-        launcher.stop()
+            # `epd serve` leaves remote workers running: they notice the lost router and re-join the next one.
+            await router.stop(shutdown_workers=launcher is not None)
+            if launcher is not None:
+                launcher.stop()
+
+
+def _start_workers(plan, model_dir: Path, config: LaunchConfig, router, worker_args: list[str], keys):
+    """Spawn ``plan``'s worker processes on this host (``epd launch``), joined to ``router``."""
+    from epd.launcher import Launcher
+
+    if keys is not None:
+        worker_args = [*worker_args, "--cluster-keys", str(keys.directory)]
+    launcher = Launcher(plan, model=str(model_dir), router_endpoint=router.endpoint,
+                        threads_per_worker=config.threads_per_worker,
+                        extra_worker_args=worker_args, rank0_spawns_ranks=True)
+    launcher.start()
+    return launcher

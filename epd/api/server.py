@@ -61,6 +61,8 @@ class ApiSettings:
         ``/v1/realtime``; a handshake with any other ``Origin`` header gets 403.
     default_max_tokens: ``max_tokens`` when the request gives none (capped by the context
         left); None: the whole context left, as OpenAI and vLLM do.
+    tool_call_parser: the format the model writes tool calls in (``hermes``,
+        ``llama3_json``, ``mistral``; ``epd.api.tool_parsers``); None: detected from the chat template.
     """
 
     api_key: str | None = None
@@ -73,6 +75,7 @@ class ApiSettings:
     max_realtime_sessions: int = _LAUNCH.max_realtime_sessions
     allowed_origins: tuple[str, ...] = ()
     default_max_tokens: int | None = None
+    tool_call_parser: str | None = None
 
 
 class _BodyTooLarge(Exception):
@@ -181,12 +184,15 @@ def _add_routes(app: FastAPI, service: CompletionService, router: Router, state:
 
     @app.get("/health")
     async def health():
+        """200 when every pool has its minimum of live instances (``Router.min_pools``;
+        unset: one of each pool that ever registered), else 503 naming what is missing."""
         alive = router.pools_alive()
-        needed = {w.role for w in router.registry.workers.values()}
-        missing = sorted(r for r in needed if not alive.get(r))
-        if missing or not needed:
-            return error_response(503, f"no live instance in pool(s): {', '.join(missing) or 'all'}")
-        return {"status": "ok", "pools": alive, "requests_in_flight": state.pending}
+        need = dict(router.min_pools) or {w.role: 1 for w in router.registry.workers.values()}
+        missing = sorted(f"{r} ({alive.get(r, 0)}/{n})" for r, n in need.items() if alive.get(r, 0) < n)
+        if missing or not need:
+            return error_response(503, f"too few live instances in pool(s): {', '.join(missing) or 'all'}")
+        return {"status": "ok", "pools": alive, "draining": router.registry.counts("draining"),
+                "requests_in_flight": state.pending}
 
     @app.get("/metrics")
     async def metrics_endpoint():
@@ -217,7 +223,8 @@ def build_http_app(router: Router, tokenizer, processor: MultiModalProcessor, *,
     app.add_middleware(GuardMiddleware, settings=settings, state=state)
     fetcher = MediaFetcher(settings.allowed_media_domains, max_bytes=settings.max_media_bytes,
                            timeout_s=settings.media_fetch_timeout_s)
-    service = CompletionService(tokenizer, processor, ChatPromptRenderer(router, tokenizer, processor, fetcher),
+    service = CompletionService(tokenizer, processor, ChatPromptRenderer(router, tokenizer, processor, fetcher,
+                                                                         tool_parser=settings.tool_call_parser),
                                 CompletionResponder(router, model_name, LogprobFormatter(tokenizer)), state,
                                 settings=settings, model_name=model_name, max_model_len=max_model_len,
                                 vocab_size=vocab_size, metrics=metrics)

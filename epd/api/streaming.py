@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -73,6 +74,12 @@ class Choice:
         self.logprobs: list = []  # TokenLogprob, not yet sent (streaming) / all (non-streaming)
         self.done = False
         self.counts_prompt = True  # the first choice of its prompt (usage counts each prompt once)
+        self.tools = None  # the request's ToolPlan (epd.api.tools) when its output is parsed for tool calls
+        self.calls: ToolCallStream | None = None
+
+    def parse_tools(self, plan) -> None:
+        """Parse this choice's output for tool calls in ``plan``'s format (``plan.parses``)."""
+        self.tools, self.calls = plan, ToolCallStream(plan)
 
     def update(self, ev: TokenEvent) -> None:
         """Apply one router event; sets ``done`` / ``finish_reason`` at the end or at a stop string."""
@@ -85,6 +92,55 @@ class Choice:
             self.finish_reason, self.done = ev.finish_reason or "stop", True
 
 
+class ToolCallStream:
+    """One choice's tool calls as they stream: OpenAI's ``delta.tool_calls`` entries (index,
+    id, type and name first, then argument fragments), and the whole message at the end.
+    Without ``parallel_tool_calls`` only the first call is kept."""
+
+    def __init__(self, plan) -> None:
+        self.parser = plan.parser()
+        self.parallel = plan.parallel
+        self.ids: list[str] = []
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.ids)
+
+    def delta(self, text: str, done: bool) -> tuple[str, list[dict]]:
+        """The content and ``tool_calls`` delta entries of the output's next ``text``."""
+        parts = [self.parser.feed(text)] + ([self.parser.finish()] if done else [])
+        content, entries = "", []
+        for part in parts:
+            content += part.content
+            for c in part.calls:
+                if c.index > 0 and not self.parallel:
+                    continue
+                entry = {"index": c.index}
+                if c.name is not None:
+                    self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                    entry.update(id=self.ids[c.index], type="function", function={"name": c.name,
+                                                                                    "arguments": c.arguments})
+                else:
+                    entry["function"] = {"arguments": c.arguments}
+                entries.append(entry)
+        return content, entries
+
+    def message(self, text: str) -> dict:
+        """The non-streamed ``message`` of the whole output ``text``: content (None when
+        empty and there are calls) and ``tool_calls``."""
+        content, entries = self.delta(text, True)
+        calls: list[dict] = []
+        for e in entries:
+            if "id" in e:
+                calls.append({"id": e["id"], "type": "function", "function": dict(e["function"])})
+            else:
+                calls[e["index"]]["function"]["arguments"] += e["function"]["arguments"]
+        msg = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
+        if calls:
+            msg["tool_calls"] = calls
+        return msg
+
+
 def usage_of(choices: list[Choice]) -> dict:
     """OpenAI's ``usage`` of a request's choices (each prompt counted once, whatever ``n``)."""
     firsts = [c for c in choices if c.counts_prompt]  # each prompt counts once, whatever n
@@ -94,6 +150,13 @@ def usage_of(choices: list[Choice]) -> dict:
                      len(c.req.prompt_token_ids)) for c in firsts)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish_reason(c: Choice) -> str | None:
+    """``tool_calls`` for a choice that ended by calling tools, else its own reason."""
+    if c.calls is not None and c.calls.num_calls and c.finish_reason == "stop":
+        return "tool_calls"
+    return c.finish_reason
 
 
 async def until_disconnected(request: Request) -> None:
@@ -186,8 +249,10 @@ class CompletionResponder:
         for c in choices:
             text = c.detok.get_next_output_text(True, delta=False)
             lp = self.logprobs.format(c.logprobs, chat) if want_lp else None
-            out.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
-                        "logprobs": lp, "finish_reason": c.finish_reason} if chat else
+            message = ({"role": "assistant", "content": text, "refusal": None} if c.calls is None
+                       else c.calls.message(text))
+            out.append({"index": c.index, "message": message, "logprobs": lp,
+                        "finish_reason": _finish_reason(c)} if chat else
                        {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": self.model_name,
@@ -218,9 +283,13 @@ class _SseStream:
         return "data: " + json.dumps(data, ensure_ascii=False) + "\n\n"
 
     def delta_chunk(self, c: Choice, text: str, reason: str | None) -> str | None:
-        """The chunk of a choice's new text, logprobs and finish reason (None: nothing new)."""
+        """The chunk of a choice's new text (or tool calls), logprobs and finish reason (None: nothing new)."""
         lps, c.logprobs = c.logprobs, []
-        if not text and not reason and not lps:
+        calls: list[dict] = []
+        if c.calls is not None:
+            text, calls = c.calls.delta(text, reason is not None)
+            reason = _finish_reason(c) if reason is not None else None
+        if not text and not reason and not lps and not calls:
             return None
         lp = None
         if self.want_lp and lps:
@@ -228,6 +297,8 @@ class _SseStream:
         self.text_offsets[c.index] += len(text)
         if self.chat:
             delta = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = calls
             return self.chunk([{"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}])
         return self.chunk([{"index": c.index, "text": text, "logprobs": lp, "finish_reason": reason}])
 

@@ -35,10 +35,12 @@ def _finish_count(rec: RequestRecord, usage_tokens: int | None, spec: RequestSpe
 
 
 async def send_chat(client, model: str, spec: RequestSpec, rec: RequestRecord, *, ignore_eos: bool = True,
-                    include_usage: bool = True, temperature: float = 0.0) -> RequestRecord:
+                    include_usage: bool = True, temperature: float = 0.0,
+                    extra_body: dict | None = None) -> RequestRecord:
     """Stream one chat completion with ``client`` (``openai.AsyncOpenAI``) and fill ``rec``.
+    ``extra_body``: fields outside the OpenAI schema (a server's own way to force a length).
     Never raises for a failed request: ``rec.ok`` is False and ``rec.error`` says why."""
-    extra = {"ignore_eos": True} if ignore_eos else None
+    extra = {**({"ignore_eos": True} if ignore_eos else {}), **(extra_body or {})} or None
     t0 = time.perf_counter()
     usage_tokens = None
     try:
@@ -65,7 +67,11 @@ async def send_chat(client, model: str, spec: RequestSpec, rec: RequestRecord, *
         if not rec.ok:
             rec.error = "no content in the stream"
     except Exception as e:  # any failure is a result of the benchmark, not a crash of it
-        rec.ok, rec.error = False, f"{type(e).__name__}: {e}"[:500]
+        hint = ""
+        if ignore_eos and getattr(e, "status_code", None) in (400, 422):
+            # ignore_eos is a vLLM extension: OpenAI itself and e.g. `transformers serve` refuse it
+            hint = " (the server may not accept the ignore_eos extension: rerun with --no-ignore-eos)"
+        rec.ok, rec.error = False, (f"{type(e).__name__}: {e}"[:500] + hint)
     return rec
 
 

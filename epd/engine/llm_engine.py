@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import multiprocessing as mp
 import os
@@ -14,9 +15,11 @@ import torch
 from epd.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.block_manager import BlockManager
-from epd.engine.model_runner import (KVConnectorHooks, ModelRunner, build_step_input, engine_config_to_json, free_port,
+from epd.engine.grammar import GrammarCompiler
+from epd.engine.model_runner import (KVConnectorHooks, ModelRunner, engine_config_to_json, free_port,
                                      tp_worker_main)
 from epd.engine.scheduler import Scheduler
+from epd.engine.step_input import build_step_input
 from epd.errors import InvalidRequestError
 from epd.layers.sampler import Sampler, skip_draws, token_logprobs
 from epd.outputs import CompletionOutput, RequestOutput
@@ -111,12 +114,18 @@ class LLMEngine:
                            capacity, config.max_model_len, capacity)
             config.max_model_len = capacity
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_tokens_with_decodes or None)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = eos_token_ids(config.model, tokenizer)
+        self.vocab_size = config.text_config.vocab_size
+        # Constrained requests: compiled grammars, and one thread that computes the step's
+        # token masks while the forward runs (vLLM and SGLang overlap it the same way).
+        self.grammars = GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids, tokenizer)
+        self.grammars.warm_up()
+        self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
         # The scheduler-side seam of a KV connector (``epd.transfer.kv_connector``), or None.
         self.kv_connector: KVConnectorHooks | None = None
-        self.vocab_size = config.text_config.vocab_size
         self.requests: dict[str, _Request] = {}
         self._by_seq_id: dict[int, _Request] = {}
         self._closed = False
@@ -142,6 +151,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                        mm_placeholders=mm_placeholders, mm_embeddings=mm_embeddings)
+        self._attach_grammar(seq)
         skip_draws(seq, params.num_prior_output_tokens, self.vocab_size)  # a resumed request's earlier draws
         detok = None
         if self.tokenizer is not None:
@@ -152,6 +162,24 @@ class LLMEngine:
         self.requests[request_id] = req
         self._by_seq_id[seq.seq_id] = req
         self.scheduler.add(seq)
+
+    def _attach_grammar(self, seq: Sequence) -> None:
+        """Give a constrained sequence its matcher, advanced past a resumed request's
+        prior output (the last ``num_prior_output_tokens`` prompt tokens).
+
+        Raises:
+            InvalidRequestError: the constraint does not compile, or the prior output
+                does not follow it.
+        """
+        spec = seq.params.structured_outputs
+        if spec is None:
+            return
+        grammar = self.grammars.grammar(spec)
+        n = seq.params.num_prior_output_tokens
+        if n and not grammar.accept_all(seq.token_ids[seq.num_prompt_tokens - n:]):
+            raise InvalidRequestError(f"the request's earlier output does not follow its {spec.kind} constraint: "
+                                      f"{grammar.error}", "structured_outputs")
+        seq.grammar = grammar
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` if the request can never run (also: a resumed
@@ -206,17 +234,32 @@ class LLMEngine:
         if kv is not None:
             step.kv_packs = kv.kv_packs
             hook = kv.layer_hook
+        seqs = [self._by_seq_id[i].seq for i in step.seq_ids]
+        rows = [j for j, seq in enumerate(seqs) if seq.grammar is not None]
+        masks = None
+        if rows:  # the constrained rows' token masks, computed while the forward runs
+            if self._mask_thread is None:
+                self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epd-grammar")
+            masks = self._mask_thread.submit(self.grammars.bitmask, [seqs[j].grammar for j in rows])
         logits = self.runner.execute(step, mm_embeds, hook)
         sampled: dict[int, int] = {}
-        if step.seq_ids:
-            seqs = [self._by_seq_id[i].seq for i in step.seq_ids]
-            tokens = self.sampler(logits, seqs)
+        if seqs:
+            tokens = self.sampler(logits, seqs, masks.result() if masks else None, rows)
             sampled = dict(zip(step.seq_ids, tokens))
+            for j in rows:
+                self._advance_grammar(seqs[j], tokens[j])
             for seq, lp in zip(seqs, token_logprobs(logits, seqs, tokens)):
                 if lp is not None:
                     seq.output_logprobs.append(lp)
         changed = self.scheduler.update(sched, sampled)
         return failed + [self._process(self._by_seq_id[seq.seq_id]) for seq in changed]
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> None:
+        """Move a constrained sequence's matcher past its new token; a token the grammar
+        refuses (it cannot be sampled under the mask) is kept as the matcher's error."""
+        if not seq.grammar.accept(token):
+            logger.error("request %s: its grammar refused token %d: %s", seq.request_id, token, seq.grammar.error)
 
     def _failed(self, seq: Sequence) -> RequestOutput:
         """The final output of a sequence the scheduler ended with finish_reason
@@ -241,12 +284,18 @@ class LLMEngine:
     def _check_stop(self, req: _Request, token: int) -> None:
         seq, params = req.seq, req.seq.params
         stop_str = req.detokenizer.update([token]) if req.detokenizer is not None else None
-        if token in params.stop_token_ids:
+        grammar = seq.grammar
+        if grammar is not None and grammar.error:
+            self._finish(seq, "error", f"the output left its {params.structured_outputs.kind} constraint: "
+                                       f"{grammar.error}")
+        elif token in params.stop_token_ids:
             self._finish(seq, "stop", token)
         elif not params.ignore_eos and token in seq.eos_token_ids:
             self._finish(seq, "stop", None)
         elif stop_str is not None:
             self._finish(seq, "stop", stop_str)
+        elif grammar is not None and grammar.is_terminated:
+            self._finish(seq, "stop")  # complete: nothing but the end of sequence may follow
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             self._finish(seq, "length")
 
@@ -282,6 +331,7 @@ class LLMEngine:
             raise InvalidRequestError("a media placeholder lies outside the prompt", "placeholders")
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
         seq.mm_placeholders = placeholders  # no embeddings here: set after the constructor's check
+        self._attach_grammar(seq)
         if not self.scheduler.add_remote(seq):
             return None
         skip_draws(seq, params.num_prior_output_tokens, self.vocab_size)  # a resumed request's earlier draws
@@ -299,6 +349,8 @@ class LLMEngine:
         """
         seq = self.scheduler.waiting_for_remote_kv[request_id]
         seq.token_ids.append(first_token)
+        if seq.grammar is not None:  # the prefill worker sampled it under the same grammar
+            self._advance_grammar(seq, first_token)
         skip_draws(seq, 1, self.vocab_size)
         seq.num_cached_tokens = 0
         self.scheduler.remote_kv_ready(request_id)
@@ -338,6 +390,8 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_reserved": len(self.scheduler.waiting_for_remote_kv),
             "num_waiting": len(self.scheduler.waiting),
+            "num_queued_prompt_tokens": sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                                            for s in (*self.scheduler.waiting, *self.scheduler.running)),
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
@@ -351,6 +405,9 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=False)
+        atexit.unregister(self.shutdown)  # the exit hook no longer keeps the engine (and its KV cache) alive
         graceful = False
         try:
             graceful = self.runner.shutdown()

@@ -24,38 +24,13 @@ import torch.distributed as dist
 
 from epd.config import EngineConfig
 from epd.engine.scheduler import SchedulerOutput
+from epd.engine.step_input import StepInput, build_step_input
 from epd.kernels.kv_staging import pack_kv, staging_shape, unpack_kv
 from epd.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from epd.models import get_model_class
 from epd.models.loader import load_weights
 
 logger = logging.getLogger(__name__)
-
-
-class StepInput(msgspec.Struct, tag="step"):
-    """A step's flattened tokens (decodes first), as plain lists.
-
-    input_ids / positions / slot_mapping: [num_tokens]; decode_block_tables:
-    [num_decodes][max_blocks] (padded with -1); decode_context_lens: [num_decodes];
-    prefills: (q_start, q_len, context_len, block_table) per chunk;
-    logits_indices: rows whose logits are returned, in ``seq_ids`` order.
-    """
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    num_decode_tokens: int
-    decode_block_tables: list[list[int]]
-    decode_context_lens: list[int]
-    prefills: list[tuple[int, int, int, list[int]]]
-    logits_indices: list[int]
-    seq_ids: list[int]
-    # (first step row, rows) spans whose input embeddings come from media
-    # embeddings; their rows, concatenated in order, travel beside the message.
-    mm_rows: list[tuple[int, int]] = []
-    # (first staging block, block ids): every rank packs its head slice of these
-    # blocks into its part of the staging region, layer by layer (heterogeneous TP).
-    kv_packs: list[tuple[int, list[int]]] = []
 
 
 class KVUnpack(msgspec.Struct, tag="unpack"):
@@ -102,49 +77,6 @@ _CODEC_ENCODER = msgspec.msgpack.Encoder()
 _CODEC_DECODER = msgspec.msgpack.Decoder(StepInput | KVUnpack | Shutdown)
 
 
-def build_step_input(out: SchedulerOutput, block_size: int) -> tuple[StepInput, torch.Tensor | None]:
-    """Flatten a scheduler output: decode tokens first, then prefill chunks.
-
-    Returns the step and the media embedding rows it needs ([rows, hidden], or
-    None for a text-only step), in ``mm_rows`` order.
-    """
-    # A one-token chunk attends exactly like a decode token.
-    decodes = [s for s in out.scheduled if s.num_tokens == 1]
-    prefills = [s for s in out.scheduled if s.num_tokens != 1]
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    logits_indices: list[int] = []
-    seq_ids: list[int] = []
-    max_blocks = max((len(s.seq.block_table) for s in decodes), default=0)
-    tables, ctx_lens, chunks = [], [], []
-    mm_rows: list[tuple[int, int]] = []
-    mm_parts: list[torch.Tensor] = []
-    for k, s in enumerate(decodes + prefills):
-        seq, start, n = s.seq, s.start, s.num_tokens
-        q_start = len(input_ids)
-        input_ids.extend(seq.token_ids[start:start + n])
-        positions.extend(range(start, start + n))
-        bt = seq.block_table
-        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        if k < len(decodes):
-            tables.append(bt + [-1] * (max_blocks - len(bt)))
-            ctx_lens.append(start + 1)
-        else:
-            chunks.append((q_start, n, start + n, list(bt[: -(-(start + n) // block_size)])))
-        for ph, emb in zip(seq.mm_placeholders, seq.mm_embeddings):
-            lo, hi = max(start, ph.offset), min(start + n, ph.offset + ph.length)
-            if lo < hi:
-                mm_rows.append((q_start + lo - start, hi - lo))
-                mm_parts.append(emb[lo - ph.offset:hi - ph.offset])
-        if s.sample:
-            logits_indices.append(len(input_ids) - 1)
-            seq_ids.append(seq.seq_id)
-    step = StepInput(input_ids, positions, slots, len(decodes), tables, ctx_lens, chunks,
-                     logits_indices, seq_ids, mm_rows)
-    return step, (torch.cat(mm_parts) if mm_parts else None)
-
-
 class ModelRunner:
     """Holds one TP rank's model shard and KV cache.
 
@@ -185,6 +117,17 @@ class ModelRunner:
         for i, layer in enumerate(attn_layers):
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
             layer.layer_idx = i
+        self.forward = torch.compile(self.model, dynamic=True) if config.compile else self.model
+        self.graphs = None
+        if config.graph_sizes():
+            from epd.engine.cuda_graphs import DecodeGraphs
+
+            max_blocks = -(-config.max_model_len // config.block_size)
+            self.graphs = DecodeGraphs(self.forward, config.graph_sizes(), max_blocks, self.device, capture=True)
+        if self.device.type == "cpu":  # the in-place decode kernel, built once per machine (`make install`)
+            from epd.kernels import cpu_attention
+
+            cpu_attention.load()
         if tp > 1:
             dist.barrier()  # every rank mapped the staging file: rank 0 may unlink it
 
@@ -272,7 +215,9 @@ class ModelRunner:
     def _run(self, step: StepInput, mm_embeds: torch.Tensor | None = None,
              layer_hook: Callable[[int], None] | None = None) -> torch.Tensor | None:
         dev = self.device
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=dev)
+        if self.graphs is not None and layer_hook is None and self.graphs.eligible(step):
+            return self._logits(step, self.graphs.run(step))
+        input_ids = step.tokens().to(dev)
         inputs_embeds = None
         if step.mm_rows:
             inputs_embeds = self.model.embed_input_ids(input_ids)
@@ -281,25 +226,28 @@ class ModelRunner:
             for dst, n in step.mm_rows:
                 inputs_embeds[dst:dst + n] = mm_embeds[src:src + n]
                 src += n
-        positions = torch.tensor(step.positions, dtype=torch.long, device=dev)
+        positions = step.token_positions().to(dev)
+        nd = step.num_decode_tokens
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
-            num_decode_tokens=step.num_decode_tokens,
-            decode_block_tables=torch.tensor(step.decode_block_tables, dtype=torch.int32, device=dev)
-            if step.num_decode_tokens else None,
-            decode_context_lens=torch.tensor(step.decode_context_lens, dtype=torch.int32, device=dev)
-            if step.num_decode_tokens else None,
+            slot_mapping=step.slots().to(dev),
+            num_decode_tokens=nd,
+            decode_block_tables=step.block_tables().to(dev) if nd else None,
+            decode_context_lens=step.context_lens().to(dev) if nd else None,
             prefills=[PrefillChunk(q0, n, ctx, torch.tensor(bt, dtype=torch.int32, device=dev))
                       for q0, n, ctx, bt in step.prefills],
             layer_hook=self._layer_hook(step, layer_hook),
         )
         with set_attention_metadata(md):
-            hidden = self.model(input_ids, positions, inputs_embeds)
+            hidden = self.forward(input_ids, positions, inputs_embeds)
         if layer_hook is not None and self.config.tensor_parallel_size > 1:
             layer_hook(self.k_cache.shape[0] - 1)
+        return self._logits(step, hidden)
+
+    def _logits(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [len(logits_indices), vocab] (on the CPU) of the step's sampled rows."""
         if not step.logits_indices:
             return None
-        hidden = hidden[torch.tensor(step.logits_indices, dtype=torch.long, device=dev)]
+        hidden = hidden[torch.tensor(step.logits_indices, dtype=torch.long, device=self.device)]
         logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.cpu()
 
@@ -328,8 +276,8 @@ def free_port() -> int:
 def engine_config_to_json(config: EngineConfig) -> str:
     """The constructor arguments of ``config`` as JSON, for spawning TP ranks."""
     fields = ("model", "tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens",
-              "max_model_len", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_gb",
-              "dtype", "device", "seed")
+              "max_prefill_tokens_with_decodes", "max_model_len", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_gb",
+              "dtype", "device", "seed", "compile", "enforce_eager", "cuda_graph_sizes")
     return json.dumps({f: getattr(config, f) for f in fields})
 
 

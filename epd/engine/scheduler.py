@@ -9,6 +9,13 @@ front of the queue to be recomputed later. Source: vLLM v1
 ``core/sched/scheduler.py`` (unified prefill/decode token budget), nano-vllm
 ``Scheduler``.
 
+Stall-free batching (Sarathi-Serve, Agrawal et al., OSDI 2024): while sequences are
+decoding, a step's prefill tokens (new chunks of prompts, running or admitted) are
+capped at ``max_prefill_tokens_with_decodes``, so a long prompt is spread over several
+steps and every decode keeps getting a token each short step, instead of waiting for
+one step that prefills the whole prompt. Without decodes the whole token budget is
+open to prefill (the prompt's TTFT is not held back for nothing).
+
 Sequences that cannot be recomputed. On a decode worker a multimodal sequence has
 its media spans (``mm_placeholders``, whose item hashes key its blocks) but not
 their embeddings: the encoder's buffers were read by the prefill worker and
@@ -87,10 +94,16 @@ class SchedulerOutput:
 class Scheduler:
     """Decides which tokens of which sequences run in the next step."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_tokens_with_decodes: int | None = None) -> None:
+        """``max_prefill_tokens_with_decodes``: prefill tokens per step while any
+        sequence decodes (stall-free batching, see the module docstring); None: no cap
+        beyond ``max_num_batched_tokens``."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        self._prefill_budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Sequences in WAITING_FOR_REMOTE_KV, by request id: blocks allocated, prompt KV
@@ -133,6 +146,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        cap = self.max_prefill_tokens_with_decodes
+        decoding = cap is not None and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
+        self._prefill_budget = cap if decoding else self.max_num_batched_tokens
         # 1. Running sequences: decodes and unfinished chunked prefills.
         budget, stalled = self._schedule_running(out, self.max_num_batched_tokens)
         if stalled and not out.scheduled:
@@ -152,7 +168,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = self._share(remaining, budget)
+            if num_new == 0:  # a prompt chunk past this step's prefill cap: next step
+                i += 1
+                continue
             victim = None
             while not self.block_manager.allocate_slots(seq, num_new):
                 # Sequences before ``i`` are already in this step: never victims.
@@ -165,6 +185,8 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
                 budget -= num_new
+                if remaining > 1:
+                    self._prefill_budget -= num_new
                 i += 1
                 continue
             if victim is None:  # no sequence it may preempt: it waits, keeping its KV
@@ -184,7 +206,10 @@ class Scheduler:
                 self.finish(seq, "error")
                 out.failed.append(seq)
                 continue
-            num_new = min(seq.num_tokens - num_computed, budget)
+            remaining = seq.num_tokens - num_computed
+            num_new = self._share(remaining, budget)
+            if num_new == 0:
+                break
             if not self.block_manager.allocate_slots(seq, num_new, computed):
                 break
             self.waiting.popleft()
@@ -196,6 +221,16 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_computed, num_new))
             budget -= num_new
+            if remaining > 1:
+                self._prefill_budget -= num_new
+
+    def _share(self, remaining: int, budget: int) -> int:
+        """Tokens a sequence with ``remaining`` uncomputed tokens gets this step: one
+        (a decode, or a prompt's last token) within ``budget``; a prompt chunk also
+        within the step's prefill budget (stall-free batching)."""
+        if remaining <= 1:
+            return min(remaining, budget)
+        return max(0, min(remaining, budget, self._prefill_budget))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -77,6 +77,9 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
         self.layer_idx = -1
 
+    # The paged store and attention kernels stay outside torch.compile's graphs (--compile):
+    # they read the step's metadata and the cache by reference, and run eagerly between graphs.
+    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = _METADATA
         assert md is not None, "attention called outside set_attention_metadata()"

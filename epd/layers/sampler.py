@@ -13,6 +13,7 @@ worker's first token).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from epd.outputs import TokenLogprobs
@@ -25,8 +26,15 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: np.ndarray | None = None,
+                 rows: list[int] | None = None) -> list[int]:
+        """One token per row. ``bitmask`` ([len(rows), ceil(vocab / 32)] int32, from
+        ``epd.engine.grammar.GrammarCompiler.bitmask``) restricts rows ``rows`` to the tokens
+        their grammar allows; ``logits`` itself is left unchanged (logprobs read it raw)."""
         logits = logits.float()
+        if bitmask is not None:
+            logits = logits.clone()
+            apply_bitmask(logits, bitmask, rows)
         n, vocab = logits.shape
         params = [s.params for s in seqs]
         if any(p.presence_penalty or p.frequency_penalty for p in params):
@@ -56,9 +64,16 @@ class Sampler:
             sub = sub.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
         probs = sub.softmax(dim=-1)
         noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):  # one draw: a [vocab] fp32 row (skip_draws replays it)
-            gen = seqs[i].generator or self.generator
-            noise[j].exponential_(generator=gen)
+        seeded = [j for j, i in enumerate(rows) if seqs[i].generator is not None]
+        if len(seeded) == len(rows):
+            pass
+        elif not seeded:
+            noise.exponential_(generator=self.generator)  # one draw for the whole batch
+        else:
+            shared = [j for j, i in enumerate(rows) if seqs[i].generator is None]
+            noise[shared] = torch.empty(len(shared), vocab).exponential_(generator=self.generator)
+        for j in seeded:  # a seeded request's own draw: a [vocab] fp32 row (skip_draws replays it)
+            noise[j].exponential_(generator=seqs[rows[j]].generator)
         out[rows] = (probs / noise).argmax(dim=-1)
         return out.tolist()
 
@@ -108,3 +123,17 @@ def token_logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[i
         out[i] = TokenLogprobs(token_ids[i], float(lp[j, token_ids[i]]), top_i[j, :ki].tolist(),
                                top_v[j, :ki].tolist())
     return out
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of tokens a row's bitmask does not allow.
+
+    ``logits``: [n, vocab] fp32; ``bitmask``: [len(rows), ceil(vocab / 32)] int32
+    (``GrammarCompiler.bitmask``); ``rows``: the logits row of each bitmask row.
+    """
+    vocab = logits.shape[1]
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    idx = torch.tensor(rows, dtype=torch.long)
+    sub = logits.index_select(0, idx)
+    sub.masked_fill_(torch.from_numpy(allowed == 0), float("-inf"))
+    logits.index_copy_(0, idx, sub)

@@ -41,8 +41,8 @@ import torch
 from epd.engine.model_runner import StepKV
 from epd.engine.scheduler import SchedulerOutput
 from epd.errors import InternalError
-from epd.messages import (KVLayout, KVReady, KVReserved, KVWriterDone, Message, MessageError, PeerInfo,
-                          PrefillRequest, RequestFailed, ReserveKV, decode, encode)
+from epd.messages import (KVLayout, KVReady, KVReserved, KVWriterDone, KVWriterFenced, Message, MessageError,
+                          PeerInfo, PrefillRequest, RequestFailed, ReserveKV, decode, encode)
 from epd.outputs import RequestOutput
 from epd.sequence import Sequence
 from epd.transfer.nixl_transport import NixlTransport, Transfer, TransferError, block_regions
@@ -216,6 +216,9 @@ class NixlKVSender(KVSender):
         send = KVSend(req.request_id, req.decode_instance, list(req.decode_block_ids), req.decode_staging_block,
                       req.decode_generation, arrival)
         d = self.peers[req.decode_instance].kv_layout
+        if d.dtype != self.layout.dtype:
+            raise InternalError(f"decode instance {req.decode_instance} holds a {d.dtype} KV cache, this prefill "
+                                f"instance a {self.layout.dtype} one: start both with the same --dtype")
         if req.decode_staging_block < 0:
             if self.tp != 1 or d.tp != 1:
                 raise InternalError(
@@ -356,6 +359,17 @@ class NixlKVSender(KVSender):
     def decline(self, req: PrefillRequest) -> None:
         self._notify_never(req.decode_instance, req.request_id, req.decode_generation)
 
+    def fence_all(self) -> None:
+        """After the router was lost and every send dropped: tell each decode peer
+        that no earlier instruction of this worker will ever write (``KVWriterFenced``)."""
+        for name, peer in self.peers.items():
+            if peer.kv_layout is None:  # an encoder: holds no reservations
+                continue
+            try:
+                self.transport.send_notif(name, encode(KVWriterFenced()))
+            except TransferError as e:
+                logger.warning("prefill %s: could not fence %s: %s", self.instance_id, name, e)
+
     def _notify_never(self, decode_instance: str, request_id: str, generation: int) -> None:
         try:
             self.transport.send_notif(decode_instance, encode(KVWriterDone(request_id, generation)))
@@ -373,13 +387,17 @@ class NixlKVSender(KVSender):
 class _Reservation:
     """Blocks reserved for a prompt whose KV a prefill worker will write.
 
-    ``generation``: random id echoed by the writer's notifications; ``writer``:
-    (instance, pid) of the prefill worker the router told to write, once an abort
-    named it; ``writer_done``: that writer said it will never write (``KVWriterDone``).
+    ``generation``: random id echoed by the writer's notifications; ``expected_writer``:
+    the prefill instance the router picked to write it (``ReserveKV.kv_writer``; "":
+    not named), the only sender whose notifications count; ``writer``: (instance, pid)
+    of the prefill worker the router told to write, once an abort named it (pid -1:
+    any process of it, after the router was lost); ``writer_done``: that writer said
+    it will never write (``KVWriterDone`` / ``KVWriterFenced``).
     """
 
     blocks: list[int]
     generation: int
+    expected_writer: str = ""
     aborted: bool = False
     writer: tuple[str, int] | None = None
     writer_done: bool = False
@@ -405,6 +423,7 @@ class NixlKVReceiver(KVReceiver):
         self.pending: deque[ReserveKV] = deque()
         self.reserved: dict[str, _Reservation] = {}  # request id -> reservation whose KV has not arrived
         self._gone: set[tuple[str, int]] = set()  # writer processes known to have exited
+        self.admitted: dict[str, float] = {}  # request id -> monotonic time its KV was admitted (decode queue)
 
     def add(self, msg: ReserveKV) -> list[Message]:
         self.pending.append(msg)
@@ -433,7 +452,7 @@ class NixlKVReceiver(KVReceiver):
             if blocks is None:
                 return  # no room yet: keep order, retry after the next step frees blocks
             self.pending.popleft()
-            res = _Reservation(blocks, secrets.randbits(63))
+            res = _Reservation(blocks, secrets.randbits(63), msg.kv_writer)
             self.reserved[msg.request_id] = res
             staging_block = self.staging.alloc(msg.request_id, n_staging) if self.staging is not None else -1
             out.append(KVReserved(msg.request_id, self.instance_id, blocks, staging_block, res.generation))
@@ -442,6 +461,7 @@ class NixlKVReceiver(KVReceiver):
         """Unpack a staged request's KV into its blocks on every TP rank (before it joins
         the batch), free its staging range, and run it."""
         res = self.reserved.pop(msg.request_id)
+        self.admitted[msg.request_id] = time.monotonic()
         owned = self.staging.owned(msg.request_id) if self.staging is not None else None
         if owned is not None:
             start, n = owned
@@ -451,14 +471,25 @@ class NixlKVReceiver(KVReceiver):
 
     def _release(self, request_id: str) -> None:
         self.reserved.pop(request_id, None)
+        self.admitted.pop(request_id, None)
         self.engine.abort_request(request_id)
         if self.staging is not None:
             self.staging.free(request_id)
 
-    def _notification(self, msg: KVReady | KVWriterDone) -> RequestOutput | None:
+    def _fenced_by(self, writer: str) -> None:
+        """``writer`` will never write what it was told before now (``KVWriterFenced``)."""
+        for rid, res in list(self.reserved.items()):
+            if res.expected_writer == writer:
+                res.writer_done = True
+                if res.aborted:
+                    self._release(rid)
+
+    def _notification(self, msg: KVReady | KVWriterDone, sender: str) -> RequestOutput | None:
         res = self.reserved.get(msg.request_id)
-        if res is None or res.generation != msg.generation:
-            return None  # stale (an earlier reservation, already released) or forged
+        if res is None or res.generation != msg.generation or res.expected_writer not in ("", sender):
+            logger.warning("decode %s: ignored %s for %s from %s (no such reservation, or another writer's)",
+                           self.instance_id, type(msg).__name__, msg.request_id, sender)
+            return None  # stale (an earlier reservation, already released), another writer's, or forged
         if isinstance(msg, KVWriterDone):
             res.writer_done = True
             if res.aborted:
@@ -482,7 +513,9 @@ class NixlKVReceiver(KVReceiver):
                 except MessageError as e:
                     logger.warning("decode %s: bad notification from %s: %s", self.instance_id, peer, e)
                     continue
-                if isinstance(msg, (KVReady, KVWriterDone)) and (out := self._notification(msg)) is not None:
+                if isinstance(msg, KVWriterFenced):
+                    self._fenced_by(peer)
+                elif isinstance(msg, (KVReady, KVWriterDone)) and (out := self._notification(msg, peer)) is not None:
                     finished.append(out)
         return replies, finished
 
@@ -502,8 +535,22 @@ class NixlKVReceiver(KVReceiver):
         any more, so the reservations fenced for it are free."""
         self._gone.add((instance_id, pid))
         for rid, res in list(self.reserved.items()):
-            if res.aborted and res.writer == (instance_id, pid):
+            if res.aborted and res.writer is not None and res.writer[0] == instance_id and res.writer[1] in (pid, -1):
                 self._release(rid)
+
+    def expected_writer(self, request_id: str) -> tuple[str, int]:
+        """(instance, -1) of the writer a reservation expects ("" when none is pending):
+        the fence ``abort`` keeps when the router that named the writer is gone."""
+        res = self.reserved.get(request_id)
+        return (res.expected_writer, -1) if res is not None and not res.aborted else ("", 0)
+
+    def in_flight(self) -> set[str]:
+        """Requests waiting for blocks or for their KV (fenced aborted ones excluded)."""
+        return {m.request_id for m in self.pending} | {r for r, res in self.reserved.items() if not res.aborted}
+
+    def fenced(self) -> set[str]:
+        """Aborted reservations kept until their writer is done or gone."""
+        return {r for r, res in self.reserved.items() if res.aborted}
 
     def stats(self) -> dict[str, float]:
         return {"num_quarantined": sum(1 for r in self.reserved.values() if r.aborted)}

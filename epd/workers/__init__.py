@@ -8,8 +8,9 @@ from epd.workers.base import WorkerArgs
 ROLES = tuple(Role)
 
 
-def run_worker(args: WorkerArgs) -> None:
-    """Build the worker for ``args.role`` and run its loop until shutdown."""
+def run_worker(args: WorkerArgs) -> int:
+    """Build the worker for ``args.role`` and run its loop until shutdown; its exit code
+    (0: shut down or drained)."""
     if args.role == Role.ENCODE:
         from epd.workers.encode_worker import EncodeWorker as cls
     elif args.role == Role.PREFILL:
@@ -20,4 +21,4 @@ def run_worker(args: WorkerArgs) -> None:
         from epd.workers.aggregated_worker import AggregatedWorker as cls
     else:
         raise ValueError(f"unknown worker role {args.role!r}; expected one of {ROLES}")
-    cls(args).run()
+    return cls(args).run()

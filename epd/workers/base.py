@@ -1,16 +1,34 @@
 """The worker process loop shared by every role: commands in, engine steps, NIXL polls, heartbeats.
 
-A worker binds one ZeroMQ PULL socket for commands (loopback by default) and
-pushes everything it reports to the router's PULL socket. Messages are the
-typed structs of ``epd.messages`` (msgpack, never pickle). The loop is single
-threaded: drain commands, poll NIXL, run one engine step when there is work,
-send a heartbeat every ``HEARTBEAT_S``. SIGTERM/SIGINT end it cleanly.
+A worker binds one ZeroMQ PULL socket for commands on its advertised address
+(loopback by default) and pushes everything it reports to the router's PULL
+socket; with cluster keys both are CURVE-authenticated (``epd.cluster_auth``).
+Messages are the typed structs of ``epd.messages`` (msgpack, never pickle). The
+loop is single threaded: drain commands, poll NIXL, run one engine step when
+there is work, send a heartbeat every ``HEARTBEAT_S``.
+
+Membership (see docs/architecture.md, "Membership"):
+
+- **joining**: ``WorkerReady`` is repeated every ``REGISTER_RETRY_S`` until the
+  router answers ``Registered`` (its epoch); ``RegistrationRefused`` (a live process
+  holds the instance id) is logged and asked again, so a restarted process joins
+  once its predecessor is found dead; a worker is *ready* (``/health`` of
+  ``--http-port``) while registered;
+- **router lost**: the router pings every worker (``RouterPing``); a registered
+  worker that has read no ping for ``router_timeout_s`` (checked only right after
+  reading every queued command, so a long engine step never looks like a lost
+  router) aborts everything the old router gave it (no block or buffer leaks;
+  see ``router_lost``) and joins again, so a restarted router gets it back;
+- **drain**: SIGTERM tells the router ``Draining`` (it routes nothing new here and
+  migrates a decode worker's streams), the worker finishes what it holds within
+  ``drain_timeout_s`` and exits 0; a second SIGTERM (or SIGINT) stops at once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -19,8 +37,10 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from epd.messages import (Abort, Heartbeat, Message, MessageError, PeerGone, PeerInfo, Region, RequestFailed,
-                          Shutdown, StatsRequest, WorkerReady, WorkerStats, decode, encode)
+from epd.cluster_auth import ClusterKeys
+from epd.messages import (ROUTER_TIMEOUT_S, Abort, Draining, Heartbeat, Message, MessageError, PeerGone, PeerInfo, Region, Registered,
+                          RegistrationRefused, RequestFailed, RouterPing, Shutdown, StatsRequest, WorkerReady,
+                          WorkerStats, decode, encode)
 from epd.errors import CapacityError, error_status
 from epd.roles import Role
 
@@ -31,6 +51,8 @@ HEARTBEAT_S = 0.25
 #: (SIGSTOP, a suspended VM): the router, whose liveness timeout is 2 s, may have
 #: declared it dead and retried its requests elsewhere, so in-flight work is fenced.
 FREEZE_S = 1.5
+#: seconds between two WorkerReady while the router has not answered
+REGISTER_RETRY_S = 1.0
 
 
 @dataclass(slots=True)
@@ -49,6 +71,10 @@ class WorkerArgs:
     kv_timeout_s: float = 30.0
     embedding_buffer_mb: int = 256
     kv_staging_mb: int = 0  # staging pool for heterogeneous-TP KV transfers (0: none)
+    keys: ClusterKeys | None = None  # CURVE keys of the cluster (None: no authentication, loopback only)
+    http_port: int = 0  # /health and /metrics on host:http_port (0: none)
+    drain_timeout_s: float = 30.0  # SIGTERM: seconds to finish what the worker holds
+    router_timeout_s: float = ROUTER_TIMEOUT_S  # no RouterPing read for this long: the router is lost
 
 
 class BaseWorker:
@@ -61,15 +87,25 @@ class BaseWorker:
         self.t0 = time.monotonic()
         self.args = args
         self.instance_id = args.instance_id
+        self.budget = None
         if args.threads:
             torch.set_num_threads(args.threads)
+        elif args.tp == 1 and not torch.cuda.is_available():
+            from epd.workers.thread_budget import ThreadBudget
+
+            try:
+                self.budget = ThreadBudget()
+            except (OSError, RuntimeError) as e:
+                logger.warning("no thread budget (%s): torch keeps its default threads", e)
         self.ctx = zmq.Context()
+        self._auth = args.keys.start_authenticator(self.ctx) if args.keys is not None else None
         self.cmd = self.ctx.socket(zmq.PULL)
-        port = self.cmd.bind_to_random_port(f"tcp://{args.host}")
-        self.cmd_endpoint = f"tcp://{args.host}:{port}"
-        self.out = self.ctx.socket(zmq.PUSH)
+        if args.keys is not None:
+            args.keys.server(self.cmd)
+        port = self.cmd.bind_to_random_port(f"tcp://{_zmq_host(args.host)}")
+        self.cmd_endpoint = f"tcp://{_zmq_host(args.host)}:{port}"
+        self.out = self.router_socket()
         self.out.setsockopt(zmq.LINGER, 2000)
-        self.out.connect(args.router)
         from epd.transfer.nixl_transport import NixlTransport
 
         self.transport = NixlTransport(args.instance_id)
@@ -92,18 +128,76 @@ class BaseWorker:
         self._injected = 0  # faults injected so far
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
+        self._ready_msg: WorkerReady | None = None
+        self.epoch: int | None = None  # the epoch of the router this worker is registered with
+        self._router_seen = 0.0  # monotonic time of the last Registered / RouterPing read
+        self._last_ready_sent = 0.0
+        self.draining = False
+        self._drain_deadline = 0.0
+        self._signals = 0
+        self.exit_code = 0
+        self._unreachable_logged = 0.0
+        self._http = None
+        if threading.current_thread() is threading.main_thread():  # from the start: SIGTERM while loading drains too
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        if args.http_port:
+            from epd.workers.health_server import HealthServer
+
+            self._http = HealthServer(self, args.host, args.http_port)
 
     # ---- messaging --------------------------------------------------------------
+    def router_socket(self) -> zmq.Socket:
+        """A PUSH socket connected to the router (a CURVE client with cluster keys)."""
+        sock = self.ctx.socket(zmq.PUSH)
+        if self.args.keys is not None:
+            self.args.keys.client(sock)
+        sock.connect(self.args.router)
+        return sock
+
     def send(self, msg: Message) -> None:
-        self.out.send(encode(msg))
+        """Push ``msg`` to the router; never blocks. While no router connection is up
+        (the router is down, or the handshake fails: other keys) it is dropped, with a
+        warning every 10 s naming what to check; a lost router is noticed from its
+        pings (``router_lost``), and the requests it had fail over on its side."""
+        try:
+            self.out.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            now = time.monotonic()
+            if now - self._unreachable_logged > 10.0:
+                self._unreachable_logged = now
+                logger.warning("%s: no connection to the router at %s (is it up? same --cluster-keys?); "
+                               "dropped %s", self.instance_id, self.args.router, type(msg).__name__)
 
     def announce(self, regions: list[Region], kv_layout=None) -> None:
-        """Tell the router this worker is ready, and start heartbeating right away (the
-        router counts a worker silent for 2 s after WorkerReady as dead)."""
-        self.send(WorkerReady(self.role, self.instance_id, os.getpid(), self.cmd_endpoint, self.transport.metadata(),
-                              regions, kv_layout, time.monotonic() - self.t0))
+        """Tell the router this worker is ready (repeated until it answers), and start
+        heartbeating right away (the router counts a worker silent for 2 s as dead)."""
+        self._ready_msg = WorkerReady(self.role, self.instance_id, os.getpid(), self.cmd_endpoint,
+                                      self.transport.metadata(), regions, kv_layout, time.monotonic() - self.t0,
+                                      incarnation=secrets.randbits(63) or 1, model=self._model_fingerprint())
+        self._send_ready()
         self.load()  # the first load report, which the heartbeat thread repeats until the loop runs
         self._start_heartbeats()
+
+    def _model_fingerprint(self) -> str:
+        from epd.model_files import model_fingerprint, resolve_model
+
+        return model_fingerprint(resolve_model(self.args.model))
+
+    def _send_ready(self) -> None:
+        if not self._last_ready_sent:
+            engine = getattr(self, "engine", None)
+            dtype = f", {str(engine.config.torch_dtype).removeprefix('torch.')}" if engine is not None else ""
+            print(f"epd worker {self.instance_id} ({self.role}{dtype}, pid {os.getpid()}): commands on "
+                  f"{self.cmd_endpoint}{', authenticated' if self.args.keys else ''}; joining {self.args.router}",
+                  flush=True)
+        self._last_ready_sent = time.monotonic()
+        self.send(self._ready_msg)
+
+    @property
+    def registered(self) -> bool:
+        """A router has accepted this worker and has not been lost since."""
+        return self.epoch is not None
 
     def _start_heartbeats(self) -> None:
         if self._beat_thread is None:
@@ -117,9 +211,8 @@ class BaseWorker:
         ``HEARTBEAT_S`` on its own socket, so a long engine step (a big prefill
         chunk, a Whisper pass) never looks like a dead worker, while a killed or
         frozen process goes silent. Notes when the process itself was frozen."""
-        sock = self.ctx.socket(zmq.PUSH)
+        sock = self.router_socket()
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.args.router)
         try:
             while not self._beat_stop.wait(HEARTBEAT_S):
                 now = time.monotonic()
@@ -173,6 +266,26 @@ class BaseWorker:
             self.on_abort(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
+        elif isinstance(msg, Registered):
+            if msg.instance_id == self.instance_id:
+                if self.epoch is None:
+                    logger.info("%s registered with router epoch %x", self.instance_id, msg.epoch)
+                self.epoch = msg.epoch
+                self._router_seen = time.monotonic()
+        elif isinstance(msg, RouterPing):
+            if msg.epoch == self.epoch:
+                self._router_seen = time.monotonic()
+        elif isinstance(msg, RegistrationRefused):
+            # Keep asking: a restarted process is refused until the router finds its predecessor
+            # dead (a heartbeat timeout); a real duplicate stays refused (and never ready).
+            if msg.instance_id == self.instance_id and self.epoch is None:
+                if msg.permanent:
+                    print(f"epd worker {self.instance_id}: the router refused it: {msg.reason}", flush=True)
+                    self.exit_code = 1
+                    self.running = False
+                else:
+                    logger.error("%s: the router refused this worker (asking again in %.0f s): %s",
+                                 self.instance_id, REGISTER_RETRY_S, msg.reason)
         elif isinstance(msg, StatsRequest):
             self.send(WorkerStats(self.instance_id, msg.token, self.stats()))
         else:
@@ -212,6 +325,16 @@ class BaseWorker:
     def abort(self, request_id: str) -> None:
         pass
 
+    def in_flight(self) -> set[str]:
+        """Request ids this worker holds anything for (queued, running, blocks, buffers)."""
+        return set()
+
+    def router_lost(self) -> None:
+        """The router that gave this worker its requests is gone: abort every one of them
+        (the default: ``abort`` each of ``in_flight``), freeing what they hold."""
+        for rid in self.in_flight():
+            self.abort(rid)
+
     def stats(self) -> dict[str, float]:
         return {}
 
@@ -235,6 +358,7 @@ class BaseWorker:
             m.kv_cache_usage_ratio.labels(**self.labels).set(stats.get("kv_cache_usage", 0.0))
             m.queue_depth.labels(**self.labels).set(stats.get("num_waiting", 0))
             m.running_requests.labels(**self.labels).set(stats.get("num_running", 0))
+            m.queued_prompt_tokens.labels(**self.labels).set(stats.get("num_queued_prompt_tokens", 0))
             self.count_total("preemptions", stats.get("num_preemptions", 0))
             self.count_total("prefix_cache_queries_tokens", stats.get("prefix_cache_queries", 0))
             self.count_total("prefix_cache_hits_tokens", stats.get("prefix_cache_hits", 0))
@@ -249,28 +373,75 @@ class BaseWorker:
         return hb
 
     # ---- loop -----------------------------------------------------------------------
-    def run(self) -> None:
-        def _stop(signum, frame):
-            self.running = False
+    def run(self) -> int:
+        """The loop, until Shutdown, a signal or the end of a drain. Returns the exit code (0)."""
 
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
         last_hb = 0.0
         self._start_heartbeats()
+        if self._http is not None:
+            self._http.start()
         try:
             while self.running:
                 busy = self.has_work()
                 if self.cmd.poll(0 if busy else 2):
                     self._drain()
+                self._check_router()  # right after reading every queued command
                 self.poll()
                 if self.has_work():
+                    if self.budget is not None:
+                        self.budget.acquire()
                     self.step()
+                elif self.budget is not None:
+                    self.budget.release()
                 now = time.monotonic()
                 if now - last_hb >= HEARTBEAT_S:
                     self.send(self.load())
                     last_hb = now
+                if self.draining:
+                    self._drain_step(now)
         finally:
             self.close()
+        return self.exit_code
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signals += 1
+        if signum == signal.SIGTERM and self._signals == 1 and self.args.drain_timeout_s > 0:
+            self.draining = True  # the loop tells the router and finishes what it holds
+        else:
+            self.running = False
+
+    def _check_router(self) -> None:
+        """Join (again) while unregistered; notice a lost router."""
+        now = time.monotonic()
+        if self._ready_msg is None:
+            return
+        if self.epoch is not None and now - self._router_seen > self.args.router_timeout_s:
+            held = self.in_flight()
+            logger.warning("%s: no word from the router (epoch %x) for %.1f s: aborting %d request(s) and "
+                           "joining again", self.instance_id, self.epoch, now - self._router_seen, len(held))
+            self.epoch = None
+            self.router_lost()
+        if self.epoch is None and not self.draining and now - self._last_ready_sent >= REGISTER_RETRY_S:
+            self._send_ready()
+
+    def _drain_step(self, now: float) -> None:
+        """Draining: tell the router once, stop when nothing is held or at the deadline."""
+        if not self._drain_deadline:
+            self._drain_deadline = now + self.args.drain_timeout_s
+            logger.warning("%s: SIGTERM: draining %d request(s) (at most %.0f s)", self.instance_id,
+                           len(self.in_flight()), self.args.drain_timeout_s)
+            self.send(Draining(self.instance_id, os.getpid()))
+        held = self.in_flight()
+        if not held:
+            logger.warning("%s: drained in %.2f s", self.instance_id,
+                           now - (self._drain_deadline - self.args.drain_timeout_s))
+            self.running = False
+        elif now >= self._drain_deadline:
+            logger.warning("%s: drain timeout: aborting %d request(s)", self.instance_id, len(held))
+            for rid in held:
+                self.abort(rid)
+                self.fail(rid, CapacityError(f"{self.instance_id} shut down (drain timeout)"))
+            self.running = False
 
     def _drain(self) -> None:
         while True:
@@ -293,7 +464,11 @@ class BaseWorker:
                     self.fail(rid, e)
 
     def close(self) -> None:
+        if self.budget is not None:
+            self.budget.close()
         self._beat_stop.set()
+        if self._http is not None:
+            self._http.stop()
         if self._beat_thread is not None:
             self._beat_thread.join(2 * HEARTBEAT_S + 1)
         try:
@@ -301,4 +476,11 @@ class BaseWorker:
         finally:
             self.cmd.close(0)
             self.out.close()
+            if self._auth is not None:
+                self._auth.stop()
             self.ctx.term()
+
+
+def _zmq_host(host: str) -> str:
+    """``host`` as a ZeroMQ tcp endpoint takes it (IPv6 addresses in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

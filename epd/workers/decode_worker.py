@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from epd.messages import Abort, GenerateRequest, Message, ReserveKV, TokenOutput
 from epd.roles import Role
 from epd.transfer.kv_connector import NixlKVReceiver
@@ -45,16 +47,31 @@ class DecodeWorker(EngineWorker):
         for reply in replies:
             self.send(reply)
         for out in finished:  # the first token already ended it (EOS, max_tokens=1, ...)
+            self.kv.admitted.pop(out.request_id, None)
             self.send(TokenOutput(out.request_id, [], True, out.outputs[0].finish_reason))
 
     def step(self) -> None:
-        self.stream_step()
+        now = time.monotonic()
+        for out in self.stream_step():  # a request's first decode step ends its decode-queue wait
+            admitted = self.kv.admitted.pop(out.request_id, None)
+            if admitted is not None:
+                self.observe("decode_queue", now - admitted)
 
     def on_abort(self, msg: Abort) -> None:
         self.kv.abort(msg.request_id, msg.kv_writer, msg.kv_writer_pid)  # a reservation may stay fenced
 
     def abort(self, request_id: str) -> None:
         self.kv.abort(request_id)
+
+    def in_flight(self) -> set[str]:
+        """Live requests; fenced reservations are not (they wait for their writer, not for us)."""
+        return (super().in_flight() | self.kv.in_flight()) - self.kv.fenced()
+
+    def router_lost(self) -> None:
+        """Drop every request; a reservation its named writer may still write stays
+        fenced until that writer's KVWriterDone / KVWriterFenced (or KVReady)."""
+        for rid in self.in_flight():
+            self.kv.abort(rid, *self.kv.expected_writer(rid))
 
     def peer_gone(self, instance_id: str, pid: int) -> None:
         self.kv.writer_gone(instance_id, pid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 from transformers import AutoConfig
@@ -36,12 +37,21 @@ class EncodeWorker(BaseWorker):
         self.buffer = EmbeddingBuffer(args.embedding_buffer_mb * 2**20)
         self.regions = self.transport.register([self.buffer.tensor])
         self.num_encoded = 0
+        self.queue: deque[tuple[EncodeRequest, float]] = deque()  # (request, arrival), in arrival order
         self.announce(self.regions)
 
     def handle_role(self, msg: Message) -> None:
         if not isinstance(msg, EncodeRequest):
             return super().handle_role(msg)
+        self.queue.append((msg, time.monotonic()))  # encoded one per loop turn: commands stay responsive
+
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def step(self) -> None:
+        msg, arrival = self.queue.popleft()
         t0 = time.monotonic()
+        self.observe("encode_queue", t0 - arrival)
         rid = msg.request_id
         try:
             items = list(msg.items)  # tensors already checked on decode (epd.messages)
@@ -79,13 +89,19 @@ class EncodeWorker(BaseWorker):
             logger.warning("encode %s: embeddings of %s expired unread", self.instance_id, owner)
 
     def abort(self, request_id: str) -> None:
+        self.queue = deque(q for q in self.queue if q[0].request_id != request_id)
         self.buffer.free(request_id)
 
+    def in_flight(self) -> set[str]:
+        return set(self.buffer.owners()) | {q[0].request_id for q in self.queue}
+
     def update_metrics(self, stats: dict[str, float]) -> None:
+        self.metrics.queue_depth.labels(**self.labels).set(stats["num_waiting"])
         self.count_total("encoder_cache_queries", stats["encoder_cache_hits"] + stats["encoder_cache_misses"])
         self.count_total("encoder_cache_hits", stats["encoder_cache_hits"])
 
     def stats(self) -> dict[str, float]:
         c = self.runner.cache
         return {"embedding_buffer_used_bytes": self.buffer.used_bytes, "num_held_requests": len(self.buffer.owners()),
+                "num_waiting": len(self.queue),
                 "encoder_cache_hits": c.hits, "encoder_cache_misses": c.misses, "num_encoded": self.num_encoded}

@@ -103,21 +103,26 @@ class EngineWorker(BaseWorker):
     def has_work(self) -> bool:
         return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
 
-    def stream_step(self) -> None:
-        """One engine step; each request's new token goes to the router."""
+    def in_flight(self) -> set[str]:
+        return set(self.engine.requests) | set(self.engine.scheduler.waiting_for_remote_kv)
+
+    def stream_step(self) -> list:
+        """One engine step; each request's new token goes to the router. Returns the step's outputs."""
         t0 = time.monotonic()
         outs = self.engine.step()
         self.observe("decode_step", time.monotonic() - t0)
         for out in outs:
             comp = out.outputs[0]
-            if out.finished and comp.finish_reason == "error":  # its media KV is gone (decode preemption)
-                self.send(RequestFailed(out.request_id, self.instance_id,
+            if out.finished and comp.finish_reason == "error":  # media KV gone (decode preemption), or grammar
+                grammar = isinstance(comp.stop_reason, str)  # the output left its grammar (a bug of ours)
+                self.send(RequestFailed(out.request_id, self.instance_id, comp.stop_reason if grammar else
                                         "the request's media KV was evicted here and cannot be recomputed "
-                                        "without its embeddings", retryable=True, status=503))
+                                        "without its embeddings", retryable=not grammar, status=500 if grammar else 503))
                 continue
             lps = [TokenLogprob.from_output(comp.logprobs[-1])] if comp.logprobs and comp.token_ids else []
             self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,
                                   out.num_cached_tokens, lps))
+        return outs
 
     def stats(self) -> dict[str, float]:
         s = self.engine.stats()

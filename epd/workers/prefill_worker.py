@@ -121,5 +121,16 @@ class PrefillWorker(EngineWorker):
                 self.kv.decline(msg)
         self.waiting_staging = deque(w for w in self.waiting_staging if w[0].request_id != request_id)
 
+    def in_flight(self) -> set[str]:
+        return (super().in_flight() | set(self.prompts) | set(self.kv.sends)
+                | {m.request_id for m, _ in self.waiting_staging})
+
+    def router_lost(self) -> None:
+        """Abort everything, then tell every decode peer that nothing the old router
+        asked of this worker will ever write (``KVWriterFenced``): commands from one
+        router arrive in order and were all read before its loss was noticed."""
+        super().router_lost()
+        self.kv.fence_all()
+
     def stats(self) -> dict[str, float]:
         return {**super().stats(), **self.kv.stats(), "num_waiting_staging": len(self.waiting_staging)}

@@ -65,7 +65,7 @@ def test_llava_parity(kind, mm_dirs):
     tok = AutoTokenizer.from_pretrained(model_dir)
     ref = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     proc = AutoImageProcessor.from_pretrained(model_dir)
-    llm = LLM(model_dir, block_size=8, max_num_batched_tokens=20)  # 16-row images split across chunks
+    llm = LLM(model_dir, block_size=8, max_num_batched_tokens=20, dtype="float32")  # 16-row images split across chunks
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     requests, expected = [], []
     for i, text in enumerate(IMAGE_PROMPTS):
@@ -91,7 +91,7 @@ def test_qwen2_audio_parity(mm_dirs):
     tok = AutoTokenizer.from_pretrained(model_dir)
     ref = Qwen2AudioForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     fe = WhisperFeatureExtractor.from_pretrained(model_dir)
-    llm = LLM(model_dir, block_size=8, max_num_batched_tokens=32)
+    llm = LLM(model_dir, block_size=8, max_num_batched_tokens=32, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     requests, expected = [], []
     for i, text in enumerate(AUDIO_PROMPTS):
@@ -114,7 +114,7 @@ def test_qwen2_audio_parity(mm_dirs):
 
 def test_prefix_cache_keys_on_media(mm_dirs):
     """Same text + same image reuses KV; same text + another image does not past the image."""
-    llm = LLM(mm_dirs["llava"], block_size=8)
+    llm = LLM(mm_dirs["llava"], block_size=8, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=4)
     text = "Describe this image in a few words please: " + IMAGE_TOKEN + " thanks"
     a, b = _images(2, seed=7)
@@ -132,7 +132,7 @@ def test_prefix_cache_keys_on_media(mm_dirs):
 
 
 def test_placeholder_mismatch_rejected(mm_dirs):
-    llm = LLM(mm_dirs["llava"])
+    llm = LLM(mm_dirs["llava"], dtype="float32")
     params = SamplingParams(max_tokens=2)
     with pytest.raises(InvalidRequestError, match="placeholder"):
         llm.generate(f"text that spells {IMAGE_TOKEN} without an image", params)

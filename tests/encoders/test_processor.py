@@ -91,7 +91,7 @@ def test_placeholder_expansion_counts_and_order(llava_dir):
 
 
 def test_same_bytes_twice_encode_once(llava_dir):
-    llm = LLM(llava_dir)
+    llm = LLM(llava_dir, dtype="float32")
     data = _png(_random_image(3))
     params = SamplingParams(temperature=0, max_tokens=3)
     r1 = llm.generate({"prompt": IMAGE_TOKEN + " hi", "multi_modal_data": {"image": [data]}}, params)[0]
@@ -125,7 +125,7 @@ def test_audio_longer_than_window_is_split(audio_dir):
     assert item.data["input_features"].shape == (2, 80, 3000)
     assert item.data["num_frames"].tolist() == [3000, 100]
     assert item.num_tokens == 750 + 25
-    llm = LLM(audio_dir)
+    llm = LLM(audio_dir, dtype="float32")
     out = llm.generate({"prompt": f"{AUDIO_TOKEN} long", "multi_modal_data": {"audio": [(samples, sr)]}},
                        SamplingParams(temperature=0, max_tokens=4))[0]
     assert len(out.prompt_token_ids) > 775 and out.finished

@@ -15,7 +15,7 @@ SPEECH = Path(__file__).parents[1] / "data" / "speech"
 
 @pytest.mark.slow
 def test_smollm2_answers_spoken_question(default_model_dir):
-    llm = LLM(default_model_dir)
+    llm = LLM(default_model_dir, dtype="float32")
     tok = llm.get_tokenizer()
     prompt = tok.apply_chat_template([{"role": "user", "content": AUDIO_PLACEHOLDER}], add_generation_prompt=True,
                                      tokenize=False)

@@ -11,7 +11,7 @@ from epd.model_files import ModelNotFoundError
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dirs):
-    engine = LLM(tiny_model_dirs["llama"], block_size=8, max_model_len=128)
+    engine = LLM(tiny_model_dirs["llama"], block_size=8, max_model_len=128, dtype="float32")
     yield engine
     engine.shutdown()
 
@@ -43,7 +43,7 @@ def test_max_tokens_not_positive(max_tokens):
 def test_unknown_model_path(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(ModelNotFoundError, match="no-such-model"):
-        LLM(str(missing))
+        LLM(str(missing), dtype="float32")
 
 
 def test_bad_requests_do_not_disturb_running_ones(llm):

@@ -27,7 +27,7 @@ def test_tiny_parity_chunked_prefill_and_prefix_cache(kind, tiny_model_dirs):
     expected = hf_greedy(model_dir, prompts, MAX_TOKENS)
     # A 32-token step budget forces every prompt over 32 tokens into chunks
     # that share steps with other sequences' decodes.
-    llm = LLM(model_dir, block_size=8, max_num_batched_tokens=32, max_num_seqs=8)
+    llm = LLM(model_dir, block_size=8, max_num_batched_tokens=32, max_num_seqs=8, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -51,7 +51,7 @@ def test_tiny_parity_chunked_prefill_and_prefix_cache(kind, tiny_model_dirs):
 @pytest.mark.slow
 def test_smollm2_parity_batch(default_model_dir):
     """The real default model, 8 chat prompts submitted together, chunked prefill."""
-    llm = LLM(default_model_dir, max_num_batched_tokens=64)
+    llm = LLM(default_model_dir, max_num_batched_tokens=64, dtype="float32")
     tok = llm.get_tokenizer()
     questions = ["What is the capital of France?", "Name three primary colors.", "What is 2+2?",
                  "Write a haiku about the sea.", "Who wrote Hamlet?", "Explain gravity in one sentence.",

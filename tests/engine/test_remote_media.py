@@ -60,7 +60,7 @@ def test_reserved_sequences_with_other_images_get_other_block_hashes(tiny_model_
     """Same tokens, same placeholder span, different item hashes: after the KV
     arrived, no full block of one hashes like the other's (so after a preemption
     neither can hit the other's image KV in the prefix cache)."""
-    llm = LLM(tiny_model_dirs["llama"], block_size=BS)
+    llm = LLM(tiny_model_dirs["llama"], block_size=BS, dtype="float32")
     try:
         engine = llm.engine
         receiver = NixlKVReceiver(engine, None, None, "d0")
@@ -179,8 +179,8 @@ def _image(seed: int) -> Image.Image:
 def pd_engines(llava_dir):
     """A prefill engine (the aggregated reference too) and a decode engine of 12
     blocks of 8 (96 tokens), too small for two image requests at once."""
-    p = LLM(llava_dir, block_size=8)
-    d = LLM(llava_dir, block_size=8, num_kv_blocks=12)
+    p = LLM(llava_dir, block_size=8, dtype="float32")
+    d = LLM(llava_dir, block_size=8, num_kv_blocks=12, dtype="float32")
     yield p, d
     p.shutdown()
     d.shutdown()

@@ -52,7 +52,7 @@ def test_penalties_count_prior_output_tokens_as_output():
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dirs):
-    engine = LLM(tiny_model_dirs["llama"], block_size=8)
+    engine = LLM(tiny_model_dirs["llama"], block_size=8, dtype="float32")
     yield engine
     engine.shutdown()
 

@@ -284,7 +284,7 @@ def test_token_logprobs_are_raw_log_softmax_with_top_k():
 def test_offline_engine_returns_logprobs_per_token(tiny_model_dirs):
     from epd import LLM
 
-    llm = LLM(tiny_model_dirs["llama"], block_size=8)
+    llm = LLM(tiny_model_dirs["llama"], block_size=8, dtype="float32")
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, logprobs=2))[0].outputs[0]
     llm.shutdown()
     assert [lp.token_id for lp in out.logprobs] == out.token_ids

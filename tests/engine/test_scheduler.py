@@ -386,3 +386,38 @@ def test_prefix_lookup_counted_once_per_admission():
             break
     assert not sched.has_unfinished()
     assert sched.block_manager.prefix_cache_queries == 14 + 5
+
+
+# ---- stall-free batching (Sarathi-Serve) -------------------------------------
+
+def test_stall_free_prefill_share_is_capped_while_sequences_decode():
+    """While two sequences decode, a long prompt gets at most ``cap`` prefill tokens a
+    step (spread over several steps) and every decode gets its token in every step; with
+    nothing decoding the prompt takes the whole budget. Outputs are exact."""
+    cap = 6
+    sched = Scheduler(BlockManager(64, BS, True), 8, 32, max_prefill_tokens_with_decodes=cap)
+    decoders = [make_seq(3, max_tokens=12, first=k, request_id=f"d{k}") for k in range(2)]
+    for s in decoders:
+        sched.add(s)
+    out, view = step(sched)  # both prompts (6 tokens) in one step: nothing decodes yet
+    assert sum(n for _, _, n, _ in view) == 6
+    long = make_seq(20, max_tokens=2, first=50, request_id="long")
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        out, view = step(sched)
+        check_step_invariants(sched, out, view)
+        assert {seq.request_id for seq, *_ in view} >= {"d0", "d1"}  # no decode stalls
+        prefill = [n for seq, _, n, _ in view if seq is long]
+        assert sum(n for seq, _, n, _ in view if n > 1) <= cap
+        chunks += prefill
+    assert chunks == [6, 6, 6, 2] and sum(chunks) == 20
+    lone = Scheduler(BlockManager(64, BS, True), 8, 32, max_prefill_tokens_with_decodes=cap)
+    alone = make_seq(20, max_tokens=2, first=50, request_id="alone")
+    lone.add(alone)
+    _, view = step(lone)
+    assert [n for _, _, n, _ in view] == [20]  # no decodes: the cap does not apply
+    history = run_to_completion(sched, [])
+    for s in (*decoders, long):
+        assert s.is_finished and s.output_token_ids == expected_output(s)
+    assert history is not None

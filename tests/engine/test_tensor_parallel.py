@@ -18,10 +18,10 @@ def test_tp2_matches_tp1(kind, tiny_model_dirs):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (1, 9, 33, 70, 120)]
     params = SamplingParams(temperature=0, max_tokens=16)
-    tp1 = LLM(model_dir, block_size=8, max_num_batched_tokens=32)
+    tp1 = LLM(model_dir, block_size=8, max_num_batched_tokens=32, dtype="float32")
     expected = [o.outputs[0].token_ids for o in tp1.generate(prompts, params)]
     tp1.shutdown()
-    tp2 = LLM(model_dir, block_size=8, max_num_batched_tokens=32, tensor_parallel_size=2)
+    tp2 = LLM(model_dir, block_size=8, max_num_batched_tokens=32, tensor_parallel_size=2, dtype="float32")
     try:
         got = [o.outputs[0].token_ids for o in tp2.generate(prompts, params)]
     finally:
@@ -32,7 +32,7 @@ def test_tp2_matches_tp1(kind, tiny_model_dirs):
 
 def test_tp_must_divide_kv_heads(tiny_model_dirs):
     with pytest.raises(ConfigError, match="must divide"):
-        LLM(tiny_model_dirs["llama"], tensor_parallel_size=3)
+        LLM(tiny_model_dirs["llama"], tensor_parallel_size=3, dtype="float32")
 
 
 @pytest.mark.slow
@@ -48,10 +48,10 @@ def test_tp2_with_image_embeddings(tmp_path):
     images = [Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)) for _ in range(2)]
     request = {"prompt": f"Look {IMAGE_TOKEN}{IMAGE_TOKEN} and tell", "multi_modal_data": {"image": images}}
     params = SamplingParams(temperature=0, max_tokens=10)
-    tp1 = LLM(model_dir, block_size=8, max_num_batched_tokens=16)
+    tp1 = LLM(model_dir, block_size=8, max_num_batched_tokens=16, dtype="float32")
     expected = tp1.generate(request, params)[0].outputs[0].token_ids
     tp1.shutdown()
-    tp2 = LLM(model_dir, block_size=8, max_num_batched_tokens=16, tensor_parallel_size=2)
+    tp2 = LLM(model_dir, block_size=8, max_num_batched_tokens=16, tensor_parallel_size=2, dtype="float32")
     try:
         assert tp2.generate(request, params)[0].outputs[0].token_ids == expected
     finally:
@@ -62,7 +62,7 @@ def test_tp2_with_image_embeddings(tmp_path):
 def test_shutdown_after_interrupted_step_leaves_no_rank(tiny_model_dirs):
     """A step that dies mid-forward on rank 0 (Ctrl-C, a bug) leaves rank 1 waiting in a
     collective: shutdown must kill it rather than wait on a broadcast forever."""
-    llm = LLM(tiny_model_dirs["llama"], tensor_parallel_size=2)
+    llm = LLM(tiny_model_dirs["llama"], tensor_parallel_size=2, dtype="float32")
     engine = llm.engine
     engine.add_request("r", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8))
 
@@ -92,6 +92,6 @@ def test_tp1_engine_after_interrupted_tp2_shutdown(tiny_model_dirs):
 
     test_shutdown_after_interrupted_step_leaves_no_rank(tiny_model_dirs)
     assert not dist.is_initialized()
-    llm = LLM(tiny_model_dirs["llama"])
+    llm = LLM(tiny_model_dirs["llama"], dtype="float32")
     assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].finished
     llm.shutdown()

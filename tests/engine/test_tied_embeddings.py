@@ -51,10 +51,10 @@ def _hf_greedy(cls_name: str, model_dir: str) -> list[list[int]]:
 def test_tied_text_config_greedy_equals_transformers(kind, tied_dirs):
     cls_name, hf_ties = TIED_CASES[kind]
     model_dir = tied_dirs[kind]
-    config = EngineConfig(model_dir)
+    config = EngineConfig(model_dir, dtype="float32")
     assert config.hf_config.get_text_config().tie_word_embeddings  # the case under test
     expected = _hf_greedy(cls_name, model_dir)
-    llm = LLM(model_dir, block_size=8)
+    llm = LLM(model_dir, block_size=8, dtype="float32")
     try:
         got = [list(o.outputs[0].token_ids)
                for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]

@@ -24,6 +24,9 @@ from epd.kernels import (
     store_kvcache_triton,
 )
 
+from epd.kernels.cpu_attention import load as load_cpu_kernel
+from epd.kernels.cpu_attention import paged_decode_attention_cpu
+
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed")
 
@@ -146,6 +149,49 @@ def test_decode_ref_int64_tables_and_dispatch_on_cpu():
     ref = paged_decode_attention_ref(q, kc, vc, tables, ctx, 0.3)
     torch.testing.assert_close(paged_decode_attention_ref(q, kc, vc, tables.long(), ctx.long(), 0.3), ref)
     torch.testing.assert_close(paged_decode_attention(q, kc, vc, tables, ctx, 0.3), ref)
+
+
+# ------------------------------------------------------- decode: CPU kernel (in place)
+
+needs_cpu_kernel = pytest.mark.skipif(load_cpu_kernel() is None, reason="the CPU kernel cannot be built here")
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1), (9, 3)])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_decode_cpu_kernel_matches_naive(num_heads, num_kv_heads, block_size, dtype, head_dim):
+    """The in-place kernel reads only each sequence's own blocks (NaN elsewhere, garbage
+    table entries past the context) and matches float64 attention."""
+    ctx_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 50, 7]
+    kc, vc, tables, ctx = make_paged(ctx_lens, num_kv_heads, head_dim, block_size, dtype,
+                                     garbage=(-1, 0, "poison", 10**6))
+    q = torch.randn(len(ctx_lens), num_heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention_cpu(q, kc, vc, tables, ctx, scale)
+    assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), naive_decode(q, kc, vc, tables, ctx, scale), **TOL[dtype])
+    torch.testing.assert_close(paged_decode_attention(q, kc, vc, tables, ctx, scale), out)  # dispatch: the kernel
+
+
+@needs_cpu_kernel
+def test_decode_cpu_kernel_edges():
+    """An empty context gives zeros; a block id outside the cache inside a context is an
+    error, never a read out of bounds; a q that is a strided view is read correctly."""
+    kc, vc, tables, ctx = make_paged([5, 20], 2, 16, 8, torch.float32)
+    q = torch.randn(2, 4, 16)
+    zero = paged_decode_attention_cpu(q, kc, vc, tables, torch.tensor([0, 20], dtype=torch.int32), 0.25)
+    assert torch.equal(zero[0], torch.zeros_like(zero[0])) and torch.isfinite(zero[1]).all()
+    bad = tables.clone()
+    bad[1, 1] = kc.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged_decode_attention_cpu(q, kc, vc, bad, ctx, 0.25)
+    with pytest.raises(RuntimeError, match="needs 3 blocks"):
+        paged_decode_attention_cpu(q, kc, vc, tables[:, :2], torch.tensor([5, 20], dtype=torch.int32), 0.25)
+    wide = torch.randn(2, 8, 16)[:, ::2]
+    torch.testing.assert_close(paged_decode_attention_cpu(wide, kc, vc, tables, ctx, 0.25),
+                               paged_decode_attention_ref(wide, kc, vc, tables, ctx, 0.25), **TOL[torch.float32])
 
 
 # ---------------------------------------------------------------- prefill: reference

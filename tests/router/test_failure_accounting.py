@@ -178,3 +178,32 @@ def test_a_dead_or_reregistered_worker_leaves_the_prefix_index():
         assert router.kv_index.num_blocks("prefill-0") == 0 and len(router.kv_index) == 0
 
     run(body)
+
+
+# ---- registration ---------------------------------------------------------------------
+def test_a_worker_with_another_kv_dtype_is_refused_for_good():
+    """KV moves prefill -> decode byte for byte: a bf16 decode worker joining fp32 prefill
+    workers would read garbage. It is refused (permanently, naming --dtype), the others stay."""
+    import zmq
+
+    from epd.messages import RegistrationRefused, decode
+
+    async def body(router: Router) -> None:
+        ctx = zmq.Context.instance()
+        inbox = ctx.socket(zmq.PULL)
+        port = inbox.bind_to_random_port("tcp://127.0.0.1")
+        try:
+            router._dispatch(ready("prefill-dt", "prefill", 6000))
+            bf16 = WorkerReady("decode", "decode-dt", 6001, f"tcp://127.0.0.1:{port}", b"", [],
+                               KVLayout(2, 64, BS, 2, 16, "bfloat16", [], []))
+            router._dispatch(bf16)
+            await settle()
+            assert inbox.poll(5000), "no answer to the refused worker"
+            answer = decode(inbox.recv())
+            assert isinstance(answer, RegistrationRefused) and answer.permanent
+            assert "bfloat16" in answer.reason and "float32" in answer.reason and "--dtype" in answer.reason
+            assert "decode-dt" not in router.registry.workers and "prefill-dt" in router.registry.workers
+        finally:
+            inbox.close(0)
+
+    run(body)

@@ -267,7 +267,9 @@ def test_router_routes_by_reported_kv_events_and_counts_decisions():
             assert router.kv_index.num_blocks("prefill-1") == 10 and router.kv_index.num_blocks("prefill-0") == 0
             picks = [router._pick("prefill", request(SYSTEM + [i])).instance_id for i in range(3)]
             assert picks == ["prefill-1"] * 3
-            # prefill-1 restarts under the same id: its cache is gone, the choice follows.
+            # prefill-1 restarts under the same id (the launcher marks the old process dead first:
+            # a live instance's id is never taken over): its cache is gone, the choice follows.
+            router.mark_dead("prefill-1")
             router._dispatch(ready("prefill-1", pid=2001))
             router._dispatch(KVEvents("prefill-0", 1000, chain[:4]))
             assert router._pick("prefill", request(SYSTEM + [9])).instance_id == "prefill-0"

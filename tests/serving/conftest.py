@@ -64,7 +64,9 @@ def launch(model: str | None, pools: str | None, *extra: str, timeout_s: float =
     """Run `epd launch` until it prints that it serves; stop it (SIGINT) afterwards
     and check that no worker process outlives it. ``env``: extra environment variables."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "epd.cli", "launch", "--port", str(port), *extra]
+    # fp32: servers are checked against fp32 references (greedy parity); a test's own
+    # --dtype in ``extra`` comes later and wins.
+    cmd = [sys.executable, "-m", "epd.cli", "launch", "--port", str(port), "--dtype", "float32", *extra]
     if pools is not None:
         cmd += ["--pools", pools]
     if model is not None:

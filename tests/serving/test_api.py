@@ -88,7 +88,7 @@ def test_image_parts_use_the_models_list_template(server, client, llava_dir):
     png = _png(1)
     parts = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": _data_url(png)}},
              {"type": "text", "text": "What is this?"}]
-    llm = LLM(llava_dir)
+    llm = LLM(llava_dir, dtype="float32")
     tok = llm.get_tokenizer()
     hf_parts = [{"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": "What is this?"}]
     rendered = tok.apply_chat_template([{"role": "user", "content": hf_parts}], add_generation_prompt=True,
@@ -261,9 +261,10 @@ def test_every_bad_request_gets_400_with_openai_body(server):
         (img("http://example.com/cat.png"), "allowed media domains"),
         (img("http://localhost:9/cat.png"), "loopback"),
         (img("file:///etc/passwd"), "data: URL or an http"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid request"),
-        ({**user("hi"), "response_format": {"type": "json_object"}}, "response_format"),
-        ({**user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "invalid request"),
+        ({**user("hi"), "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs"),
+        ({**user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among the tools"),
         ({**user("hi"), "logit_bias": {"42": 5}}, "logit_bias"),
         ({**user("hi"), "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
     ]
@@ -448,7 +449,7 @@ def test_worker_stats_sit_behind_the_api_key(audio_server):
 
 def test_audio_part_on_aggregated_pool(audio_server, audio_dir):
     wav = _wav(3)
-    llm = LLM(audio_dir)
+    llm = LLM(audio_dir, dtype="float32")
     tok = llm.get_tokenizer()
     rendered = tok.apply_chat_template([{"role": "user", "content": f"{AUDIO_TOKEN} What was said?"}],
                                        add_generation_prompt=True, tokenize=False)

@@ -54,7 +54,7 @@ def _chat_messages(text: str, images: list[bytes]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def llava_expected(llava_dir):
-    llm = LLM(llava_dir)
+    llm = LLM(llava_dir, dtype="float32")
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     text = [o.outputs[0].text for o in llm.generate(TEXT_PROMPTS, params)]
@@ -94,7 +94,7 @@ def test_llava_parity_across_pools(pools, llava_dir, llava_expected):
 
 
 def test_qwen2_audio_parity(audio_dir):
-    llm = LLM(audio_dir)
+    llm = LLM(audio_dir, dtype="float32")
     tok = llm.get_tokenizer()
     wav = _wav(3)
     rendered = tok.apply_chat_template([{"role": "user", "content": f"{AUDIO_TOKEN} What was said?"}],
@@ -138,12 +138,13 @@ def test_cancel_at_every_stage_leaks_nothing(llava_dir):
 
         async def one(i: int, client: httpx.AsyncClient) -> str:
             cancel = i % 3 == 0
-            # Requests to cancel run long (no EOS, 200 tokens), so every cancel lands
+            # Requests to cancel run long (no EOS, 1,000 tokens: the tiny model streams 200
+            # in under 0.3 s), so every cancel lands
             # before the end: right away (encode / reserve / prefill), after a short
             # random delay (prefill, transfer), or after k streamed chunks (decode).
             body = {"messages": _chat_messages(f"{IMAGE_TOKEN} number {i}", [_png(i % 5)]) if i % 2 else
                     [{"role": "user", "content": f"tell me about {i} " * (1 + i % 7)}],
-                    "max_tokens": 200 if cancel else 8 + i % 16, "ignore_eos": cancel, "temperature": 0,
+                    "max_tokens": 1000 if cancel else 8 + i % 16, "ignore_eos": cancel, "temperature": 0,
                     "stream": True}
             mode, delay, chunks = rng.choice(["delay", "chunks"]), rng.uniform(0.0, 0.3), rng.randint(1, 6)
             if cancel and mode == "chunks":
@@ -249,7 +250,7 @@ def tied_expected(tied_dirs):
     for kind, model_dir in tied_dirs.items():
         cls = "Qwen2AudioForConditionalGeneration" if kind == "qwen2-audio" else "LlavaForConditionalGeneration"
         ref = getattr(transformers, cls).from_pretrained(model_dir, dtype=torch.float32).eval()
-        llm = LLM(model_dir)
+        llm = LLM(model_dir, dtype="float32")
         try:
             got = llm.generate(TEXT_PROMPTS, params)
             for prompt, o in zip(TEXT_PROMPTS, got):
@@ -296,7 +297,7 @@ def test_same_text_other_images_survive_decode_preemption(llava_dir):
     no embeddings."""
     text = f"{IMAGE_TOKEN} What is this?"
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    llm = LLM(llava_dir)
+    llm = LLM(llava_dir, dtype="float32")
     tok = llm.get_tokenizer()
     rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                        tokenize=False)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import io
-import re
 import signal
 import threading
 import time
@@ -25,6 +24,7 @@ import pytest
 from PIL import Image
 
 from epd.tiny import IMAGE_TOKEN, create_tiny_model
+from tests.conftest import metric_sum
 from tests.serving.conftest import Server, launch
 
 pytestmark = pytest.mark.slow
@@ -64,12 +64,7 @@ def _complete(server: Server, prompt, max_tokens: int = LONG, stream: bool = Tru
 
 def _metric(server: Server, name: str, **labels) -> float:
     """Sum of a counter's samples whose labels include ``labels``."""
-    total = 0.0
-    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
-        m = re.match(rf"^{name}\{{([^}}]*)\}} ([0-9.e+-]+)$", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return metric_sum(httpx.get(server.url + "/metrics", timeout=30).text, name, **labels)
 
 
 def _wait_idle(server: Server, before: dict, timeout_s: float = 60.0) -> dict:

@@ -65,7 +65,7 @@ def expected(models):
     out = {}
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for kind, path in models.items():
-        llm = LLM(path)
+        llm = LLM(path, dtype="float32")
         outs = llm.generate(TEXT_PROMPTS, params)
         if kind != "llava":  # llava's LM parity with transformers: tests/encoders/test_mm_parity.py
             assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, TEXT_PROMPTS, MAX_TOKENS)

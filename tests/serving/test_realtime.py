@@ -86,7 +86,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def offline():
-    llm = LLM(kv_cache_memory_gb=0.25)
+    llm = LLM(kv_cache_memory_gb=0.25, dtype="float32")
 
     def answer(messages: list[dict], max_tokens: int) -> str:
         return llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens))[0].outputs[0].text
@@ -351,7 +351,7 @@ def test_audio_native_model_hears_embeddings(tmp_path):
     prompt (not a transcript); greedy tokens equal the offline engine's."""
     model_dir = str(create_tiny_model("qwen2-audio", tmp_path / "qa"))
     pcm = pcm16("capital_of_france.wav", 24000)
-    llm = LLM(model_dir, kv_cache_memory_gb=0.1)
+    llm = LLM(model_dir, kv_cache_memory_gb=0.1, dtype="float32")
     tok = llm.get_tokenizer()
     rendered = tok.apply_chat_template([{"role": "user", "content": f"{AUDIO_TOKEN} What was said?"}],
                                        add_generation_prompt=True, tokenize=False)

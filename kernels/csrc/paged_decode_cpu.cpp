@@ -1,0 +1,136 @@
+// Paged decode attention on the CPU, reading the paged KV cache in place.
+//
+// One query token per sequence attends to its context through its block table, block by
+// block, with an online softmax (Milakov & Gimelshein 2018, as in FlashAttention and vLLM's
+// paged_attention_v1): no gathered or padded copy of the context is made. Work is split over
+// (sequence, KV head) pairs with at::parallel_for (torch's intra-op threads); the query heads
+// of one GQA group share each K/V row they read. Scores, softmax and the weighted sum are fp32
+// whatever the cache dtype (fp32 or bf16).
+//
+// Shapes (contiguous): q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks,
+// block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_num_blocks] int32;
+// context_lens [num_seqs] int32. Returns [num_seqs, num_heads, head_dim] in q's dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t tok_stride = num_kv_heads * head_dim, blk_stride = block_size * tok_stride;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), m(group), l(group),
+        s(group * block_size);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t seq = idx / num_kv_heads, kvh = idx % num_kv_heads;
+      const int64_t ctx = lens[seq];
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qh = qp + (seq * num_heads + kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(qh[d]) * fscale;
+        m[g] = neg_inf;
+        l[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const int64_t nblk = ctx > 0 ? (ctx + block_size - 1) / block_size : 0;
+      TORCH_CHECK(nblk <= max_blocks, "context_lens[", seq, "]=", ctx, " needs ", nblk,
+                  " blocks but block_tables has ", max_blocks, " columns");
+      for (int64_t b = 0; b < nblk; ++b) {
+        const int64_t blk = tables[seq * max_blocks + b];
+        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block_tables[", seq, "][", b, "]=", blk,
+                    " is outside the cache's ", num_blocks, " blocks");
+        const int64_t ntok = std::min(block_size, ctx - b * block_size);
+        const T* kb = kp + blk * blk_stride + kvh * head_dim;
+        const T* vb = vp + blk * blk_stride + kvh * head_dim;
+        float bmax[64];  // per group head (group <= 64 checked by the caller)
+        for (int64_t g = 0; g < group; ++g) bmax[g] = neg_inf;
+        for (int64_t t = 0; t < ntok; ++t) {
+          const T* kr = kb + t * tok_stride;
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(kr[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
+            s[g * block_size + t] = dot;
+            bmax[g] = std::max(bmax[g], dot);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const float mnew = std::max(m[g], bmax[g]);
+          const float corr = std::exp(m[g] - mnew);  // 0 on the first block (m = -inf)
+          l[g] *= corr;
+          float* ag = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= corr;
+          for (int64_t t = 0; t < ntok; ++t) {
+            const float p = std::exp(s[g * block_size + t] - mnew);
+            s[g * block_size + t] = p;
+            l[g] += p;
+          }
+          m[g] = mnew;
+        }
+        for (int64_t t = 0; t < ntok; ++t) {
+          const T* vr = vb + t * tok_stride;
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(vr[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = s[g * block_size + t];
+            float* ag = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* oh = op + (seq * num_heads + kvh * group + g) * head_dim;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // empty context: zeros
+        for (int64_t d = 0; d < head_dim; ++d) oh[d] = static_cast<T>(acc[g * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention_cpu(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                      at::Tensor block_tables, at::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(1) / k_cache.size(2) <= 64,
+              "num_heads must be a multiple of num_kv_heads, at most 64 query heads per KV head");
+  q = q.contiguous();
+  block_tables = block_tables.to(at::kInt).contiguous();
+  context_lens = context_lens.to(at::kInt).contiguous();
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    decode<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale);
+  } else {
+    TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not supported (float32, bfloat16)");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention_cpu", &paged_decode_attention_cpu,
+        "Paged decode attention over the paged KV cache, in place (CPU, fp32/bf16)");
+}

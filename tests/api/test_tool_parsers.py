@@ -1,0 +1,133 @@
+"""Tool-call parsers: every chunking of an output streams the same calls as the whole output,
+partial markers never leak as content, and each format's forced-call grammar accepts exactly
+valid calls (checked with llguidance over the tiny tokenizer)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from epd.api.tool_parsers import PARSERS, detect_parser, parse_tool_calls
+
+ARGS = '{"city": "Paris \\"<tool_call>\\" {x}", "n": [1, {"a": "}"}], "ok": true}'
+OUTPUTS = {
+    "hermes": [
+        ("no calls at all", "no calls at all", []),
+        (f'Let me check.\n<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>',
+         "Let me check.\n", [("get_weather", ARGS)]),
+        ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
+         '{"arguments": {"y": "é😀"}, "name": "b"}\n</tool_call>', "", [("a", '{"x": 1}'), ("b", '{"y": "é😀"}')]),
+        ("a <tools and more", "a <tools and more", []),
+    ],
+    "mistral": [
+        (f'ok [TOOL_CALLS][{{"name": "f", "arguments": {ARGS}}}, {{"name": "g", "arguments": {{}}}}]', "ok ",
+         [("f", ARGS), ("g", "{}")]),
+        ("[TOOL inside text", "[TOOL inside text", []),
+    ],
+    "llama3_json": [
+        (f'{{"name": "f", "parameters": {ARGS}}}; {{"name": "g", "parameters": {{"k": 2}}}}', "",
+         [("f", ARGS), ("g", '{"k": 2}')]),
+        ('<|python_tag|>{"name": "f", "arguments": {}}', "", [("f", "{}")]),
+        ("plain answer {not a call}", "plain answer {not a call}", []),
+    ],
+}
+CASES = [(fmt, *case) for fmt, cases in OUTPUTS.items() for case in cases]
+
+
+def _stream(parser_cls, chunks):
+    parser = parser_cls()
+    content, calls, names = "", {}, {}
+    for part in [parser.feed(c) for c in chunks] + [parser.finish()]:
+        content += part.content
+        for d in part.calls:
+            if d.name is not None:
+                assert d.index not in names, "a call's name is sent once"
+                names[d.index] = d.name
+                calls[d.index] = ""
+            calls[d.index] += d.arguments
+    return content, [(names[i], calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", CASES)
+def test_whole_output(fmt, text, content, calls):
+    assert parse_tool_calls(PARSERS[fmt], text) == (content, calls)
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", CASES)
+def test_every_chunking_streams_the_whole_outputs_calls(fmt, text, content, calls):
+    assert _stream(PARSERS[fmt], list(text)) == (content, calls)
+    for k in range(1, len(text)):
+        assert _stream(PARSERS[fmt], [text[:k], text[k:]]) == (content, calls), k
+
+
+@pytest.mark.parametrize("fmt", list(PARSERS))
+def test_partial_markers_are_held_back(fmt):
+    cls = PARSERS[fmt]
+    marker = cls.marker if fmt != "llama3_json" else "<|python_tag|>"
+    parser = cls()
+    prefix = "" if fmt == "llama3_json" else "hi "
+    assert parser.feed(prefix + marker[:-2]).content == prefix
+    assert parser.feed(marker[-2:]).content == ""  # the marker completed: never content
+
+
+def test_detect_parser():
+    assert detect_parser("{{ '<tool_call>' }}") == "hermes"
+    assert detect_parser("[TOOL_CALLS] {{ x }}") == "mistral"
+    assert detect_parser("Environment: ipython <|python_tag|>") == "llama3_json"
+    assert detect_parser(None) == "hermes"
+
+
+WEATHER = ("get_weather", {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    "when": {"type": "string", "pattern": "^[0-9]{2}:[0-9]{2}$"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    "where": {"type": "object", "properties": {"lat": {"type": "number"}}, "required": ["lat"],
+              "additionalProperties": False}},
+    "required": ["city", "unit", "days"], "additionalProperties": False})
+NOARGS = ("ping", {"type": "object", "properties": {}})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    import llguidance.hf
+
+    from epd.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    return tok, llguidance.hf.from_tokenizer(tok, len(tok))
+
+
+def _accepts(tokenizer, grammar: str, text: str) -> bool:
+    import llguidance
+
+    tok, lt = tokenizer
+    m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not m.is_error(), m.get_error()
+    return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+
+@pytest.mark.parametrize("fmt", list(PARSERS))
+def test_call_grammar_accepts_exactly_valid_calls(tokenizer, fmt):
+    cls = PARSERS[fmt]
+    good = '{"city":"Oslo","unit":"c","days":3,"when":"09:30","tags":["a"],"where":{"lat":1.5}}'
+    ok = cls.format_calls([("get_weather", good)]).replace('", "', '","').replace('": ', '":').replace(
+        ", {", ",{").replace("}, ", "},")
+    grammar = cls.call_grammar([WEATHER, NOARGS], parallel=False)
+    assert _accepts(tokenizer, grammar, ok), ok
+    content, calls = parse_tool_calls(cls, ok)
+    (name, args), = calls
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(args), WEATHER[1])
+    for bad in (ok.replace("get_weather", "get_wether"), ok.replace('"days":3', '"days":9'),
+                ok.replace("09:30", "9:30"), ok.replace('"c"', '"k"'), ok.replace('"city"', ' "city"'),
+                ok.replace(',"where":{"lat":1.5}', ',"where":{"lat":1.5,"x":1}')):
+        assert not _accepts(tokenizer, grammar, bad), bad
+    ping = cls.format_calls([("ping", "{}")]).replace('", "', '","').replace('": ', '":')
+    assert _accepts(tokenizer, grammar, ping), ping
+    two = cls.format_calls([("ping", "{}"), ("ping", "{}")]).replace('", "', '","').replace('": ', '":').replace(
+        "}, {", "},{").replace("; ", ";")
+    assert not _accepts(tokenizer, grammar, two)
+    assert _accepts(tokenizer, cls.call_grammar([WEATHER, NOARGS], parallel=True), two), two

