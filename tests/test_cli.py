@@ -70,3 +70,40 @@ def test_create_tiny_refuses_a_non_empty_dir(tmp_path):
 def test_unexpected_errors_are_one_line(tiny_model_dirs):
     r = _epd("generate", "--model", tiny_model_dirs["llama"], "--prompt", "hi", "--seed", str(2**70))
     assert r.returncode in (1, 2) and "seed" in r.stderr and "Traceback" not in r.stderr
+
+
+def _catches_sigterm(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) & (1 << (15 - 1)))
+    return False
+
+
+def _torch_loaded(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def test_worker_sigterm_while_starting_exits_0(tiny_model_dirs):
+    """A worker SIGTERM'd before it has imported torch or loaded its model (a pod deleted
+    while it starts, the churn of an autoscaler) exits 0 at once, having joined nothing;
+    before, the signal's default action killed it (-15) until its loop was set up."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "epd.cli", "worker", "--role", "decode", "--instance-id", "w0",
+                             "--router", "tcp://127.0.0.1:1", "--model", str(tiny_model_dirs["llama"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while not _catches_sigterm(proc.pid):
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.001)
+        assert not _torch_loaded(proc.pid), "SIGTERM is caught only once torch is imported"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "SIGTERM while starting" in out and "drained in" in out, out
+    assert "joining" not in out, out  # it never announced itself

@@ -75,6 +75,7 @@ class WorkerArgs:
     http_port: int = 0  # /health and /metrics on host:http_port (0: none)
     drain_timeout_s: float = 30.0  # SIGTERM: seconds to finish what the worker holds
     router_timeout_s: float = ROUTER_TIMEOUT_S  # no RouterPing read for this long: the router is lost
+    early_signals: list[int] = field(default_factory=list)  # SIGTERM/SIGINT caught before the worker existed
 
 
 class BaseWorker:
@@ -141,6 +142,8 @@ class BaseWorker:
         if threading.current_thread() is threading.main_thread():  # from the start: SIGTERM while loading drains too
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
+            for signum in args.early_signals:  # caught by ``epd worker`` while this was importing
+                self._on_signal(signum, None)
         if args.http_port:
             from epd.workers.health_server import HealthServer
 
