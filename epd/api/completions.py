@@ -17,10 +17,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from epd.api.chat_prompt import ChatPromptRenderer
-from epd.api.constraints import checked, requested_constraint
+from epd.api.constraints import ConstraintChecker, requested_constraint
 from epd.api.tools import ToolPlan, tool_plan
 from epd.api.protocol import (BadRequest, ChatRequest, CompletionRequest, SamplingFields, error_response,
-                              has_lone_surrogate, too_many_requests)
+                              check_body, too_many_requests)
 from epd.api.streaming import Choice, CompletionResponder, RequestTimer
 from epd.detokenizer import IncrementalDetokenizer
 from epd.encoders.media import MediaError
@@ -75,13 +75,17 @@ class CompletionService:
         self.renderer, self.responder, self.state = renderer, responder, state
         self.settings, self.model_name, self.max_model_len = settings, model_name, max_model_len
         self.vocab_size, self.metrics = vocab_size, metrics
+        self.constraints = ConstraintChecker(tokenizer, vocab_size)
+        self.constraints.warm_up()
 
     async def handle(self, request: Request, body: SamplingFields, chat: bool) -> Response:
         """The response to one request; every refusal is OpenAI's error body."""
         settings = self.settings
         timer = RequestTimer(self.metrics)
-        if has_lone_surrogate(body):  # JSON allows "\ud800"; no tokenizer can encode it
-            return error_response(400, "the request holds invalid Unicode (a lone UTF-16 surrogate)")
+        try:
+            check_body(body)
+        except BadRequest as e:
+            return error_response(e.status, str(e), e.param)
         if body.model not in (None, self.model_name):
             return error_response(404, f"the model {body.model!r} does not exist; this server serves "
                                        f"{self.model_name!r}", "model", "model_not_found")
@@ -90,8 +94,7 @@ class CompletionService:
             return too_many_requests(settings.max_pending_requests)
         try:
             self.check_unsupported(body)
-            plan = tool_plan(body, self.renderer.tool_parser.name) if chat else None
-            constraint = await self.renderer.cpu.run(self.constraint, body, plan)
+            plan, constraint = await self.renderer.cpu.run(self.constraint, body, chat)
             if chat:
                 prompt, mm = await self.renderer.render(body, f"asr-{uuid.uuid4().hex}", plan)
             else:
@@ -133,22 +136,22 @@ class CompletionService:
             if body.best_of is not None and body.best_of != (body.n or 1):
                 raise BadRequest("best_of other than n is not supported", "best_of")
 
-    @staticmethod
-    def constraint(body: SamplingFields, plan: ToolPlan | None) -> StructuredOutputs | None:
-        """The output constraint of ``response_format`` / ``structured_outputs`` or of a forced
-        tool call, compiled once (runs in the CPU pool: a large schema takes a while).
+    def constraint(self, body: SamplingFields, chat: bool) -> tuple[ToolPlan | None, StructuredOutputs | None]:
+        """The chat request's tool plan, and the output constraint of ``response_format`` /
+        ``structured_outputs`` or of a forced tool call, each checked against the model's
+        tokenizer (runs in the CPU pool: a large schema takes a while).
 
         Raises:
-            BadRequest: two constraints at once, or one that does not compile (``param`` names it).
+            BadRequest: two constraints at once, or one that cannot be followed (``param`` names it).
         """
-        forced = plan.constraint() if plan is not None else None
+        check = self.constraints.checked
+        plan = tool_plan(body, self.renderer.tool_parser.name, check) if chat else None
+        forced = plan.constraint(check) if plan is not None else None
         asked = requested_constraint(body)
         if forced is not None and asked is not None:
             raise BadRequest(f"tool_choice {plan.choice!r} forces a tool call; it cannot be combined with "
                              f"{asked[1].split('.')[0]}", "tool_choice")
-        if asked is not None:
-            return checked(*asked)
-        return forced
+        return plan, (check(*asked) if asked is not None else forced)
 
     def sampling(self, body: SamplingFields, prompt_len: int, logprobs: int | None,
                  constraint: StructuredOutputs | None = None) -> tuple[SamplingParams, list[str]]:

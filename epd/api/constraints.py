@@ -1,10 +1,11 @@
 """A request's output constraint: ``response_format``, vLLM's ``structured_outputs`` or a
 forced tool call, as one checked ``StructuredOutputs``.
 
-The API compiles each constraint once (llguidance, ``epd.engine.grammar.validate``)
-before routing, so a schema, regex or grammar the engine cannot follow is the client's
-400 naming ``param``, never a worker's failure. The workers compile it again for their
-own tokenizer (they never trust the API's).
+The API compiles each constraint once for its own tokenizer and follows it for one
+token (``ConstraintChecker``, ``epd.engine.grammar.GrammarCompiler.check``) before
+routing, so a schema, regex or grammar the engine cannot follow is the client's 400
+naming ``param``, never a worker's failure. The workers compile it again for their own
+tokenizer (they never trust the API's).
 
 Source: OpenAI's ``response_format`` (``json_object``, ``json_schema``); vLLM's
 ``structured_outputs`` extension.
@@ -12,36 +13,42 @@ Source: OpenAI's ``response_format`` (``json_object``, ``json_schema``); vLLM's
 
 from __future__ import annotations
 
-import functools
 import json
-
-import msgspec
+import threading
 
 from epd.api.protocol import BadRequest, SamplingFields
 from epd.errors import InvalidRequestError
 from epd.structured_outputs import StructuredOutputs
 
 
-@functools.lru_cache(maxsize=256)
-def _check(wire: bytes) -> None:
-    """Compile the constraint encoded as ``wire`` (its msgspec JSON: a hashable cache key)."""
-    from epd.engine.grammar import validate
+class ConstraintChecker:
+    """Checks constraints against the served model's tokenizer (``tokenizer``: the HF
+    tokenizer; ``vocab_size``: the model's logits width). Checks are cached by constraint."""
 
-    validate(msgspec.json.decode(wire, type=StructuredOutputs))
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        from epd.engine.grammar import GrammarCompiler
 
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.compiler = GrammarCompiler(None, vocab_size, frozenset([eos] if isinstance(eos, int) else []), tokenizer)
+        self._lock = threading.Lock()  # the CPU pool may check two requests at once
 
-def checked(spec: StructuredOutputs, param: str) -> StructuredOutputs:
-    """``spec`` once it compiles (cached by constraint).
+    def warm_up(self) -> None:
+        """Build the grammar engine's tokenizer in the background (about 0.5 s)."""
+        self.compiler.warm_up()
 
-    Raises:
-        BadRequest: it does not compile; the message is the grammar engine's, ``param``
-            names the request field.
-    """
-    try:
-        _check(msgspec.json.encode(spec))
-    except InvalidRequestError as e:
-        raise BadRequest(str(e), param) from None
-    return spec
+    def checked(self, spec: StructuredOutputs, param: str) -> StructuredOutputs:
+        """``spec`` once it compiles and can be followed.
+
+        Raises:
+            BadRequest: it cannot; the message is the grammar engine's first line,
+                ``param`` names the request field.
+        """
+        try:
+            with self._lock:
+                self.compiler.check(spec)
+        except InvalidRequestError as e:
+            raise BadRequest(str(e), param) from None
+        return spec
 
 
 def _spec(param: str, **kw) -> StructuredOutputs:

@@ -170,21 +170,43 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
 
 
-def has_lone_surrogate(obj) -> bool:
-    """True when any string in ``obj`` (a pydantic model, list, dict or str) cannot be UTF-8 encoded."""
-    if isinstance(obj, str):
-        try:
-            obj.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(obj, BaseModel):
-        return any(has_lone_surrogate(getattr(obj, f)) for f in type(obj).model_fields)
-    if isinstance(obj, (list, tuple)):
-        return any(has_lone_surrogate(x) for x in obj)
-    if isinstance(obj, dict):
-        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in obj.items())
-    return False
+#: deepest nesting of lists and objects a request may hold (a JSON schema in
+#: ``response_format`` or ``tools`` included); walked without recursion
+MAX_NESTING_DEPTH = 64
+
+
+def check_body(body: BaseModel) -> None:
+    """Refuse what no field type catches: a string that cannot be UTF-8 encoded (JSON
+    allows ``"\\ud800"``; no tokenizer can encode it), or lists and objects nested deeper
+    than ``MAX_NESTING_DEPTH`` (a schema 300 levels deep would exhaust the recursion of
+    every schema walker after it). An iterative walk over models, lists, tuples and dicts.
+
+    Raises:
+        BadRequest: ``param`` names the top-level field that holds it.
+    """
+    stack: list[tuple[object, int, str | None]] = [(body, 0, None)]
+    while stack:
+        obj, depth, field = stack.pop()
+        if isinstance(obj, str):
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest("the request holds invalid Unicode (a lone UTF-16 surrogate)", field) from None
+            continue
+        if isinstance(obj, BaseModel):
+            items = [getattr(obj, f) for f in type(obj).model_fields]
+            if depth == 0:
+                stack.extend((v, 1, f) for f, v in zip(type(obj).model_fields, items))
+                continue
+        elif isinstance(obj, (list, tuple)):
+            items = obj
+        elif isinstance(obj, dict):
+            items = [x for kv in obj.items() for x in kv]
+        else:
+            continue
+        if depth > MAX_NESTING_DEPTH:
+            raise BadRequest(f"{field} nests lists and objects more than {MAX_NESTING_DEPTH} levels deep", field)
+        stack.extend((v, depth + 1, field) for v in items)
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from epd.api.constraints import checked
 from epd.api.protocol import BadRequest, ChatRequest, Tool
 from epd.api.tool_parsers import PARSERS, ToolCallParser
 from epd.structured_outputs import StructuredOutputs
@@ -58,8 +57,9 @@ class ToolPlan:
         fns = [(t.function.name, t.function.parameters or NO_PARAMETERS) for t in self.tools]
         return fns if self.choice in ("auto", "required", "none") else [f for f in fns if f[0] == self.choice]
 
-    def constraint(self) -> StructuredOutputs | None:
-        """The grammar of a forced call (``required`` or a named function); None otherwise.
+    def constraint(self, check) -> StructuredOutputs | None:
+        """The grammar of a forced call (``required`` or a named function), passed through
+        ``check`` (``ConstraintChecker.checked``); None otherwise.
 
         Raises:
             BadRequest: the grammar does not compile (``param``: ``tools``).
@@ -67,15 +67,16 @@ class ToolPlan:
         if self.choice in ("auto", "none"):
             return None
         grammar = self.parser.call_grammar(self.functions(), self.parallel and self.choice == "required")
-        return checked(StructuredOutputs(grammar=grammar), "tools")
+        return check(StructuredOutputs(grammar=grammar), "tools")
 
     def template_tools(self) -> list[dict]:
         """The tools as transformers' ``apply_chat_template(tools=...)`` takes them (OpenAI's shape)."""
         return [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools]
 
 
-def tool_plan(body: ChatRequest, parser_name: str) -> ToolPlan | None:
-    """The request's ``ToolPlan``, or None when it has no tools.
+def tool_plan(body: ChatRequest, parser_name: str, check) -> ToolPlan | None:
+    """The request's ``ToolPlan``, or None when it has no tools; each function's
+    parameters pass ``check`` (``ConstraintChecker.checked``).
 
     Raises:
         BadRequest: a ``tool_choice`` without tools or naming no tool, two tools with one
@@ -96,7 +97,7 @@ def tool_plan(body: ChatRequest, parser_name: str) -> ToolPlan | None:
             param = f"tools.{i}.function.parameters"
             if params.get("type", "object") != "object":
                 raise BadRequest("a function's parameters must be a JSON schema of type object", param)
-            checked(StructuredOutputs(json=json.dumps(params, sort_keys=True)), param)
+            check(StructuredOutputs(json=json.dumps(params, sort_keys=True)), param)
     if not isinstance(choice, str) and choice is not None and name not in names:
         raise BadRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
                          "tool_choice")

@@ -99,20 +99,6 @@ def grammar_text(spec: StructuredOutputs) -> str:
         raise InvalidRequestError(f"the grammar is invalid: {e}", "grammar") from None
 
 
-def validate(spec: StructuredOutputs) -> None:
-    """Check that a constraint compiles (the API's check, before a request is routed).
-
-    Raises:
-        InvalidRequestError: the schema, regex or grammar is invalid or uses what the
-            grammar engine does not implement; the message is llguidance's.
-    """
-    import llguidance
-
-    error = llguidance.LLMatcher.validate_grammar(grammar_text(spec))
-    if error:
-        raise InvalidRequestError(f"invalid {spec.kind.replace('_', ' ')}: {error.strip()}", spec.kind)
-
-
 class Grammar:
     """One request's matcher: which tokens may come next, and the tokens so far.
 
@@ -144,7 +130,15 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        return self._m.get_error()
+        """Why the matcher stopped ('' while it follows): llguidance's first line (its
+        state dump, which repeats the whole grammar, is dropped), at most 300 characters."""
+        return short_error(self._m.get_error())
+
+
+def short_error(message: str) -> str:
+    """The first line of a grammar-engine message, at most 300 characters."""
+    line = message.strip().split("\n", 1)[0]
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 class GrammarCompiler:
@@ -162,6 +156,7 @@ class GrammarCompiler:
         self._ll = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._checked: OrderedDict[tuple, None] = OrderedDict()  # keys ``check`` passed
         self.words = (vocab_size + 31) // 32
 
     def warm_up(self) -> threading.Thread:
@@ -205,7 +200,7 @@ class GrammarCompiler:
         if base is None:
             base = llguidance.LLMatcher(self._tokenizer(), grammar_text(spec), log_level=0)
             if base.is_error():
-                raise InvalidRequestError(f"invalid {spec.kind.replace('_', ' ')}: {base.get_error().strip()}",
+                raise InvalidRequestError(f"invalid {spec.kind.replace('_', ' ')}: {short_error(base.get_error())}",
                                           spec.kind)
             self._cache[key] = base
             if len(self._cache) > CACHE_SIZE:
@@ -213,6 +208,35 @@ class GrammarCompiler:
         else:
             self._cache.move_to_end(key)
         return Grammar(base.deep_copy())
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec`` and follow it for one token (the first allowed one that does
+        not end the sequence): the API's check before a request is routed. A grammar can
+        compile and still exceed the engine's limits once followed (``start: "a" start``
+        expands without end; ``((a{100}){100}){100}`` builds too many lexer states); that
+        shows at the first mask or token, and is the client's 400 here, not a failed output.
+
+        Raises:
+            InvalidRequestError: it does not compile, or cannot be followed.
+        """
+        if spec.key in self._checked:
+            self._checked.move_to_end(spec.key)
+            return
+        g = self.grammar(spec)
+        row = np.zeros(self.words, dtype=np.int32)
+        g.fill_bitmask(row)
+        if not g.error:
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:self.vocab_size])
+            token = next((int(t) for t in allowed if int(t) not in self.eos), None)
+            if token is not None:
+                g.accept(token)
+        if g.error:
+            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} compiles but exceeds the grammar engine's "
+                                      f"limits when followed ({g.error}); simplify it: fewer nested repetitions, "
+                                      "longer lexemes", spec.kind)
+        self._checked[spec.key] = None
+        if len(self._checked) > CACHE_SIZE:
+            self._checked.popitem(last=False)
 
     def bitmask(self, grammars: list[Grammar]) -> np.ndarray:
         """[len(grammars), ceil(vocab / 32)] int32: each grammar's allowed next tokens."""

@@ -286,8 +286,9 @@ class LLMEngine:
         stop_str = req.detokenizer.update([token]) if req.detokenizer is not None else None
         grammar = seq.grammar
         if grammar is not None and grammar.error:
-            self._finish(seq, "error", f"the output left its {params.structured_outputs.kind} constraint: "
-                                       f"{grammar.error}")
+            self._finish(seq, "error", f"the {params.structured_outputs.kind.replace('_', ' ')} exceeded the grammar "
+                                       f"engine's limits after {seq.num_output_tokens} output tokens "
+                                       f"({grammar.error}); simplify it: fewer nested repetitions, longer lexemes")
         elif token in params.stop_token_ids:
             self._finish(seq, "stop", token)
         elif not params.ignore_eos and token in seq.eos_token_ids:

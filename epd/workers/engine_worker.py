@@ -114,10 +114,12 @@ class EngineWorker(BaseWorker):
         for out in outs:
             comp = out.outputs[0]
             if out.finished and comp.finish_reason == "error":  # media KV gone (decode preemption), or grammar
-                grammar = isinstance(comp.stop_reason, str)  # the output left its grammar (a bug of ours)
+                # a grammar the engine could not follow further (sampling is masked, so it is the
+                # grammar's size, the client's to simplify); or media KV lost, which a retry can redo
+                grammar = isinstance(comp.stop_reason, str)
                 self.send(RequestFailed(out.request_id, self.instance_id, comp.stop_reason if grammar else
                                         "the request's media KV was evicted here and cannot be recomputed "
-                                        "without its embeddings", retryable=not grammar, status=500 if grammar else 503))
+                                        "without its embeddings", retryable=not grammar, status=400 if grammar else 503))
                 continue
             lps = [TokenLogprob.from_output(comp.logprobs[-1])] if comp.logprobs and comp.token_ids else []
             self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,

@@ -186,6 +186,22 @@ def test_a_tool_round_trip_renders_the_call_and_the_result(server):
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_a_body_nested_past_the_parsers_recursion_is_a_400(server):
+    deep = '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    with httpx.Client(timeout=60) as http:  # one keep-alive connection: it must survive
+        r = http.post(server.url + "/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        r = http.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("kw, param", [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
      "response_format.json_schema.schema"),
@@ -200,11 +216,20 @@ def test_a_tool_round_trip_renders_the_call_and_the_result(server):
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]),
      "tools.0.function.parameters"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+    # nested past MAX_NESTING_DEPTH (a recursive walk died with a RecursionError: a 500)
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(300)}}),
+     "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": _nested(300)}}]), "tools"),
+    (dict(extra_body={"structured_outputs": {"choice": ["a"], "json": _nested(400)}}), "structured_outputs"),
+    # compile, but exceed the grammar engine's limits once followed (were 500s after routing)
+    (dict(extra_body={"structured_outputs": {"grammar": 'start: "a" start'}}), "structured_outputs.grammar"),
+    (dict(extra_body={"structured_outputs": {"regex": "((a{100}){100}){100}"}}), "structured_outputs.regex"),
 ])
 def test_bad_constraints_are_400s_naming_the_param(server, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(server, **kw)
     assert e.value.body["param"] == param, e.value.body
+    assert "\n" not in e.value.body["message"] and len(e.value.body["message"]) < 600, e.value.body  # no state dump
     # the server keeps serving
     assert _chat(server, max_tokens=3).choices[0].finish_reason == "length"
 
