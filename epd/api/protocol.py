@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from epd.sampling_params import MAX_LOGPROBS
 
@@ -69,7 +69,14 @@ class ChatMessage(_Body):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
-    tool_call_id: str | None = None  # tool
+    tool_call_id: str | None = Field(None, validate_default=True)  # tool: the call it answers
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_result_names_its_call(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        return v
 
 
 class FunctionDefinition(_Body):

@@ -147,7 +147,7 @@ def _add_error_handlers(app: FastAPI, settings: ApiSettings) -> None:
         if any(e.get("type") == "json_invalid" for e in errs):
             return error_response(400, "the request body is not valid JSON")
         msg, loc = invalid_field(errs)
-        return error_response(400, f"invalid request: {msg} at {'.'.join(loc) or 'body'}", loc[0] if loc else None)
+        return error_response(400, f"invalid request: {msg} at {'.'.join(loc) or 'body'}", '.'.join(loc) or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):

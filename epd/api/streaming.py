@@ -125,9 +125,20 @@ class ToolCallStream:
                 entries.append(entry)
         return content, entries
 
+    @property
+    def cut(self) -> bool:
+        """A kept call began and never finished (``max_tokens`` or a stop string ended the output in it)."""
+        return self.parser.cut_at is not None and (self.parallel or not self.parser.frozen)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """``tool_calls`` for an output that ended by calling tools (each call whole),
+        else ``reason``, the output's own."""
+        return "tool_calls" if reason == "stop" and self.num_calls and not self.cut else reason
+
     def message(self, text: str) -> dict:
         """The non-streamed ``message`` of the whole output ``text``: content (None when
-        empty and there are calls) and ``tool_calls``."""
+        empty and there are calls) and ``tool_calls``, whole calls only: a call cut short
+        (see ``cut``) stays text, in ``content``, as vLLM's parsers leave it."""
         content, entries = self.delta(text, True)
         calls: list[dict] = []
         for e in entries:
@@ -135,6 +146,10 @@ class ToolCallStream:
                 calls.append({"id": e["id"], "type": "function", "function": dict(e["function"])})
             else:
                 calls[e["index"]]["function"]["arguments"] += e["function"]["arguments"]
+        if self.cut:
+            calls = calls[:len(self.parser.frozen)]
+            if self.parser.content_sent <= self.parser.cut_at:  # not yet released as content
+                content += text[self.parser.cut_at:]
         msg = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
         if calls:
             msg["tool_calls"] = calls
@@ -154,9 +169,7 @@ def usage_of(choices: list[Choice]) -> dict:
 
 def _finish_reason(c: Choice) -> str | None:
     """``tool_calls`` for a choice that ended by calling tools, else its own reason."""
-    if c.calls is not None and c.calls.num_calls and c.finish_reason == "stop":
-        return "tool_calls"
-    return c.finish_reason
+    return c.finish_reason if c.calls is None else c.calls.finish_reason(c.finish_reason)
 
 
 async def until_disconnected(request: Request) -> None:

@@ -155,6 +155,7 @@ class ToolCallParser:
         self.resume = 0  # where the next call is looked for
         self.sent: list[tuple[bool, int]] = []  # per call: name sent, argument chars sent
         self.stopped = False  # text after the calls that is not a call: the rest is dropped
+        self.cut_at: int | None = None  # where a begun, unfinished call's text starts (its marker)
 
     @property
     def num_calls(self) -> int:
@@ -193,6 +194,7 @@ class ToolCallParser:
             self.calls_start = self.resume = start
         calls = list(self.frozen)
         pos = self.resume
+        self.cut_at = None
         while not self.stopped:
             i = self._next_object(pos)
             if i is None:
@@ -200,6 +202,9 @@ class ToolCallParser:
             call, end = _parse_object(self.text, i)
             calls.append(call)
             if end is None:
+                lo = self.resume if self.frozen else max(0, self.calls_start - len(self.marker))
+                j = self.text.rfind(self.marker, lo, i)
+                self.cut_at = j if j >= 0 else i
                 break
             self.frozen.append(call)
             pos = self.resume = end

@@ -61,8 +61,8 @@ def test_chat_fields_of_the_wrong_json_type_are_400_naming_the_field(client, fie
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "hi", "max_tokens": "16"}, "max_tokens"), ({"prompt": "hi", "logprobs": "2"}, "logprobs"),
     ({"prompt": "hi", "logprobs": True}, "logprobs"), ({"prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": ["1", 2]}, "prompt"), ({"prompt": [True, 2]}, "prompt"),
-    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"prompt": ["1", 2]}, "prompt.0"), ({"prompt": [True, 2]}, "prompt.0"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ])
 def test_completion_fields_of_the_wrong_json_type_are_400(client, body, param):
     r = post(client, body, "/v1/completions")
@@ -74,7 +74,7 @@ def test_nested_content_parts_are_strict(client):
     for parts, in [([{"type": "text", "text": 5}],), ([{"type": "image_url", "image_url": {"url": 5}}],),
                    ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, {"type": "text"}],)]:
         r = post(client, {"messages": [{"role": "user", "content": parts}]})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.0.content"), r.text
 
 
 VALID_CHAT = [
@@ -142,3 +142,14 @@ def test_a_realtime_event_of_the_wrong_type_is_an_error_event_naming_the_field()
     (err,) = send(s, type="response.create", response={"temperature": "0"})
     assert err["error"]["param"] == "response.temperature"
     assert s.max_output_tokens == 16 and s.active is None  # the session goes on, unchanged
+
+
+def test_a_tool_result_names_its_call(client):
+    """OpenAI refuses a ``role: tool`` message without ``tool_call_id``: the model could not
+    tell which call it answers."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "42"}]
+    r = post(client, {"messages": msgs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.2.tool_call_id", r.text
+    msgs[2]["tool_call_id"] = "call_1"
+    assert post(client, {"messages": msgs}).status_code == 200

@@ -131,3 +131,35 @@ def test_call_grammar_accepts_exactly_valid_calls(tokenizer, fmt):
         "}, {", "},{").replace("; ", ";")
     assert not _accepts(tokenizer, grammar, two)
     assert _accepts(tokenizer, cls.call_grammar([WEATHER, NOARGS], parallel=True), two), two
+
+
+CUT = [  # (output, finish reason it ended with) -> (content, complete calls, finish_reason)
+    # cut by max_tokens inside the first call: nothing is a call, the text is content
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "length"),
+    ('<tool_call>\n{"name": "get_wea', "length"),
+    # a stop string cut a forced call's arguments: not a call either, and not "tool_calls"
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "stop"),
+]
+
+
+@pytest.mark.parametrize("text, reason", CUT)
+def test_a_cut_call_is_content_and_never_finishes_with_tool_calls(text, reason):
+    from epd.api.protocol import Tool
+    from epd.api.streaming import ToolCallStream
+    from epd.api.tools import ToolPlan
+
+    tool = Tool.model_validate({"type": "function", "function": {"name": "get_weather", "parameters": WEATHER[1]}})
+    plan = ToolPlan([tool], "get_weather" if reason == "stop" else "auto", True, PARSERS["hermes"])
+    stream = ToolCallStream(plan)
+    msg = stream.message(text)
+    assert "tool_calls" not in msg and msg["content"] == text, msg
+    assert stream.finish_reason(reason) == reason
+    # a complete call before the cut one is kept; the cut one's text is content
+    whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    stream = ToolCallStream(ToolPlan([tool], "auto", True, PARSERS["hermes"]))
+    msg = stream.message(whole + '<tool_call>\n{"name": "get_weather", "arguments": {"ci')
+    assert [c["function"]["arguments"] for c in msg["tool_calls"]] == ['{"city": "Paris"}'], msg
+    assert msg["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"ci', msg
+    assert stream.finish_reason("length") == "length"
+    stream = ToolCallStream(ToolPlan([tool], "auto", True, PARSERS["hermes"]))
+    assert "tool_calls" in stream.message(whole) and stream.finish_reason("stop") == "tool_calls"
