@@ -130,15 +130,15 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        """Why the matcher stopped ('' while it follows): llguidance's first line (its
-        state dump, which repeats the whole grammar, is dropped), at most 300 characters."""
+        """Why the matcher stopped ('' while it follows), as ``short_error``."""
         return short_error(self._m.get_error())
 
 
 def short_error(message: str) -> str:
-    """The first line of a grammar-engine message, at most 300 characters."""
-    line = message.strip().split("\n", 1)[0]
-    return line if len(line) <= 300 else line[:297] + "..."
+    """A grammar-engine message on one line, at most 300 characters, without the state
+    dump that follows ``<state>`` (it repeats the whole grammar)."""
+    text = " ".join(line.strip() for line in message.split("<state>", 1)[0].splitlines() if line.strip())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class GrammarCompiler:
