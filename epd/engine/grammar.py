@@ -160,7 +160,7 @@ class GrammarCompiler:
         self.words = (vocab_size + 31) // 32
 
     def warm_up(self) -> threading.Thread:
-        """Build the grammar engine's tokenizer on a daemon thread (about 0.5 s for a 49k
+        """Build the grammar engine's tokenizer on a thread (about 0.5 s for a 49k
         vocabulary), so that the first constrained request does not stall the engine loop."""
         def build() -> None:
             try:
@@ -168,7 +168,8 @@ class GrammarCompiler:
             except Exception as e:  # noqa: BLE001 - the first constrained request reports it
                 logger.debug("grammar tokenizer warm-up failed: %s", e)
 
-        t = threading.Thread(target=build, name="epd-grammar-warm-up", daemon=True)
+        # not a daemon: the interpreter joins it at exit (a build killed in native code segfaulted)
+        t = threading.Thread(target=build, name="epd-grammar-warm-up")
         t.start()
         return t
 
