@@ -133,6 +133,8 @@ async def session(client, questions: list[bytes], turns: int, start_s: float, se
     step = RATE * 2 * CHUNK_MS // 1000
     async with client.realtime.connect() as conn:
         await recv_until(conn, lambda e: e.type == "session.created")
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+        await recv_until(conn, lambda e: e.type == "session.updated")
         for turn in range(turns):
             pcm = dithered(questions[turn % len(questions)], seed * 1000 + turn)
             t_start = time.perf_counter()

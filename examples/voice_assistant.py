@@ -79,7 +79,8 @@ async def main(args: argparse.Namespace) -> None:
         print("(espeak-ng not found: printing only)")
     async with client.realtime.connect() as conn:
         session = {"type": "realtime", "max_output_tokens": args.max_output_tokens,
-                   "audio": {"input": {"format": {"type": "audio/pcm", "rate": rate}}}}
+                   "audio": {"input": {"format": {"type": "audio/pcm", "rate": rate},
+                                       "turn_detection": None}}}  # this client commits the turn itself
         if args.instructions:
             session["instructions"] = args.instructions
         await conn.session.update(session=session)

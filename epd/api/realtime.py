@@ -12,8 +12,12 @@ Client events handled:
   ``"inf"``; default 256), ``output_modalities`` (only ``["text"]``),
   ``audio.input.format`` (``{"type": "audio/pcm", "rate": R}``: PCM16 little-endian mono,
   R from 8000 to 48000 Hz, default 24000; epd resamples with torchaudio),
-  ``audio.input.turn_detection`` (only ``null``: the client commits turns),
-  ``audio.input.transcription`` (accepted; text-only models always transcribe), and the
+  ``audio.input.turn_detection``: ``server_vad`` (the default, as OpenAI's: ``threshold``,
+  ``prefix_padding_ms``, ``silence_duration_ms``, ``create_response``,
+  ``interrupt_response``; ``semantic_vad`` runs as ``server_vad``, ``idle_timeout_ms`` is
+  refused) or ``null`` (the client commits turns), ``audio.input.transcription`` and
+  ``audio.input.noise_reduction`` (accepted and echoed, not acted on: text-only models
+  always transcribe with the speech front end, input audio is not filtered), and the
   epd extension ``temperature`` (default 0: greedy). Other OpenAI fields are ignored;
   ``tools`` must be empty.
 * ``input_audio_buffer.append`` (base64 PCM16 in the session format; at most
@@ -23,16 +27,28 @@ Client events handled:
 * ``conversation.item.create``: a ``message`` with role ``user`` (``input_text`` /
   ``input_audio`` parts), ``assistant`` (``output_text``) or ``system`` (``input_text``);
   ``previous_item_id`` (``"root"``, an item id, or none: append).
-  ``conversation.item.delete``. A session holds at most ``MAX_ITEMS`` items and
+  ``conversation.item.delete``, ``conversation.item.retrieve``. A session holds at most ``MAX_ITEMS`` items and
   ``MAX_SESSION_BYTES`` of text and audio (a transcribed clip's audio is not kept).
 * ``response.create``: ``instructions``, ``max_output_tokens``, ``output_modalities``,
   ``metadata``, ``conversation`` (``"auto"`` or ``"none"``), ``input`` (items or
   ``item_reference``\\ s instead of the conversation), epd extension ``temperature``.
 * ``response.cancel`` (optional ``response_id``).
+* ``output_audio_buffer.clear`` (answered ``output_audio_buffer.cleared``; epd sends no audio yet).
+
+Server VAD (``epd.api.vad``: Silero VAD, run in the API's CPU pool): appended audio is
+scored in 32 ms windows; a turn's onset sends ``input_audio_buffer.speech_started``
+(``audio_start_ms``: the onset less ``prefix_padding_ms``; ``item_id``: the item it will
+commit to) and cancels a streaming answer (``interrupt_response``); ``silence_duration_ms``
+of silence after it sends ``input_audio_buffer.speech_stopped`` (``audio_end_ms``), commits
+the turn's audio and, with ``create_response``, answers it as ``response.create`` with
+the session's settings would. Between turns the buffer keeps only the prefix padding.
+A manual ``input_audio_buffer.commit`` still works and ends the turn in progress.
 
 Server events sent: ``session.created``, ``session.updated``,
-``input_audio_buffer.committed``, ``input_audio_buffer.cleared``,
-``conversation.item.created``, ``conversation.item.deleted``,
+``input_audio_buffer.speech_started`` / ``speech_stopped``, ``input_audio_buffer.committed``,
+``input_audio_buffer.cleared``, ``conversation.item.added`` and ``conversation.item.done``
+(the GA names; ``conversation.item.created``, the beta name, is sent too),
+``conversation.item.retrieved``, ``conversation.item.deleted``,
 ``conversation.item.input_audio_transcription.completed`` / ``.failed`` (text-only
 models: what the speech front end heard), ``response.created``,
 ``response.output_item.added``, ``response.content_part.added``,
@@ -74,7 +90,7 @@ decode slot and KV blocks are freed), the rest of its held text goes out as a la
 segment (reason ``cancelled``), and ``response.done`` has status ``cancelled``; no delta
 of that response follows it. Closing the socket does the same.
 
-No server VAD, audio output, tools, or ``conversation.item.retrieve`` / ``truncate``.
+No audio output, tools, ``idle_timeout_ms``, or ``conversation.item.truncate`` yet.
 """
 
 from __future__ import annotations
@@ -84,16 +100,20 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from fastapi import WebSocket
 from pydantic import BaseModel, ValidationError
 
 from epd.api.protocol import invalid_field
 from epd.api.realtime_conn import EventChannel
+from epd.api.cpu_pool import shared_pool
 from epd.api.realtime_events import (DEFAULT_RATE, MAX_APPEND_BYTES, MIN_COMMIT_MS, AudioAppend, ClientError, Item,
-                                     ItemCreate, ItemDelete, ItemIn, LooseEvent, Part, ResponseCancel, ResponseCreate,
-                                     ResponseIn, ResponseState, SessionUpdate, check_max_tokens, check_modalities,
-                                     check_temperature, input_rate, new_id, parse_item, pcm16, pcm_array)
+                                     ItemCreate, ItemDelete, ItemIn, ItemRetrieve, LooseEvent, Part, ResponseCancel,
+                                     ResponseCreate, ResponseIn, ResponseState, SessionUpdate, check_max_tokens,
+                                     check_modalities, check_temperature, check_turn_detection, input_rate, new_id,
+                                     parse_item, pcm16, pcm_array)
 from epd.api.realtime_response import ASR_RETRY_S, ResponseStream, Transcriber
+from epd.api.vad import VAD_RATE, ServerVad, SpeechDetector
 from epd.encoders.media import MediaError
 from epd.errors import InvalidRequestError
 
@@ -112,8 +132,7 @@ MAX_SESSION_BYTES = 64 * 2**20
 #: server events waiting for a client that does not read them; past it the socket is closed (1008)
 MAX_OUTBOUND_BYTES = 16 * 2**20
 DEFAULT_MAX_OUTPUT_TOKENS = 256
-_UNSUPPORTED_EVENTS = {"conversation.item.retrieve", "conversation.item.truncate", "output_audio_buffer.clear",
-                       "transcription_session.update"}
+_UNSUPPORTED_EVENTS = {"conversation.item.truncate", "transcription_session.update"}
 
 
 class RealtimeSession:
@@ -134,8 +153,14 @@ class RealtimeSession:
         self.temperature = 0.0
         self.rate = DEFAULT_RATE
         self.transcription: dict | None = None
+        self.noise_reduction: dict | None = None
+        self.turn_detection: ServerVad | None = ServerVad()  # OpenAI's default; null: the client commits
+        self.vad: SpeechDetector | None = None  # built on the first audio while turn_detection is on
+        self.turn_item_id: str | None = None  # the item a detected turn commits to
         self.items: list[Item] = []
         self.buffer = bytearray()
+        self.input_ms = 0.0  # input audio appended since the session began
+        self.cpu = shared_pool()
         self.active: ResponseState | None = None
         self.channel = EventChannel(ws, MAX_OUTBOUND_BYTES)
         self.asr = Transcriber(api, self.emit)
@@ -163,8 +188,17 @@ class RealtimeSession:
                 "output_modalities": ["text"], "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens, "temperature": self.temperature,
                 "tools": [], "tool_choice": "auto",
-                "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.rate}, "turn_detection": None,
-                                    "transcription": self.transcription, "noise_reduction": None}}}
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.rate},
+                                    "turn_detection": self.turn_detection.to_json() if self.turn_detection else None,
+                                    "transcription": self.transcription, "noise_reduction": self.noise_reduction}}}
+
+    def emit_item_added(self, item: Item, previous_item_id: str | None) -> None:
+        """``conversation.item.added`` (GA), ``conversation.item.created`` (the beta name some
+        clients still read), and ``conversation.item.done`` once the item is complete."""
+        self.emit("conversation.item.added", item=item.to_json(), previous_item_id=previous_item_id)
+        self.emit("conversation.item.created", item=item.to_json(), previous_item_id=previous_item_id)
+        if item.status == "completed":
+            self.emit("conversation.item.done", item=item.to_json(), previous_item_id=previous_item_id)
 
     # ---- the socket --------------------------------------------------------------------
     async def run(self) -> None:
@@ -244,12 +278,15 @@ class RealtimeSession:
         if inp is not None:
             if inp.format is not None:
                 new["rate"] = input_rate(inp.format, self.rate, bool(self.buffer))
-            if inp.turn_detection is not None:
-                raise ClientError("server-side turn detection is not supported: set turn_detection to null and "
-                                  "send input_audio_buffer.commit", "session.audio.input.turn_detection",
-                                  "unsupported_turn_detection")
+            if "turn_detection" in inp.model_fields_set:
+                new["turn_detection"] = (None if inp.turn_detection is None else
+                                         check_turn_detection(inp.turn_detection, "session.audio.input.turn_detection"))
             if "transcription" in inp.model_fields_set:
                 new["transcription"] = inp.transcription
+            if "noise_reduction" in inp.model_fields_set:
+                new["noise_reduction"] = inp.noise_reduction  # accepted; epd does not filter input audio
+        if "turn_detection" in new or "rate" in new:
+            self.vad, self.turn_item_id = None, None  # a turn in progress is forgotten; its audio stays buffered
         for k, v in new.items():
             setattr(self, k, v)
         self.emit("session.updated", session=self.session_json())
@@ -262,9 +299,66 @@ class RealtimeSession:
                               "audio", "input_audio_buffer_full")
         self._check_room(len(data))
         self.buffer += data
+        self.input_ms += len(data) / 2 / self.rate * 1000
+        if self.turn_detection is None:
+            return
+        for edge, ms in await self.cpu.run(self._detect, data):
+            if edge == "speech_started":
+                await self._speech_started(ms)
+            else:
+                await self._speech_stopped(ms)
+        if self.vad is not None and not self.vad.in_speech:  # between turns only the padding is kept
+            self._trim_buffer(self.input_ms - self.turn_detection.prefix_padding_ms)
+
+    # ---- server VAD ----------------------------------------------------------------------------
+    def _detect(self, data: bytes) -> list[tuple[str, int]]:
+        """(In the CPU pool.) The turn edges of the next input audio (PCM16 at the session rate)."""
+        import torch
+        import torchaudio.functional as F
+
+        if self.vad is None:
+            self.vad = SpeechDetector(self.turn_detection)
+        x = torch.from_numpy(pcm_array(data).astype(np.float32) / 32768.0)
+        if self.rate != VAD_RATE:
+            x = F.resample(x, self.rate, VAD_RATE)
+        return self.vad.feed(x.numpy())
+
+    def _trim_buffer(self, from_ms: float) -> None:
+        """Drop the buffered input audio before ``from_ms`` (session input time)."""
+        start_ms = self.input_ms - len(self.buffer) / 2 / self.rate * 1000
+        drop = int((from_ms - start_ms) * self.rate / 1000) * 2
+        if drop > 0:
+            del self.buffer[:drop]
+
+    async def _speech_started(self, audio_start_ms: int) -> None:
+        """A turn begins: the buffer keeps its prefix padding on; speech over an answer
+        cancels it (``interrupt_response``), freeing its decode slot."""
+        self.turn_item_id = new_id("item")
+        self._trim_buffer(audio_start_ms)
+        self.emit("input_audio_buffer.speech_started", audio_start_ms=audio_start_ms, item_id=self.turn_item_id)
+        if self.turn_detection.interrupt_response and self.active is not None:
+            await self.cancel_active("turn_detected")
+
+    async def _speech_stopped(self, audio_end_ms: int) -> None:
+        """A turn ends: commit it, and answer it (``create_response``) unless an answer streams."""
+        item_id, self.turn_item_id = self.turn_item_id or new_id("item"), None
+        self.emit("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
+        try:
+            await self._commit(item_id)
+            if self.turn_detection.create_response and self.active is None:
+                await self.on_response_create(ResponseCreate())
+        except ClientError as e:  # e.g. too many requests: the turn stays in the conversation
+            self.emit_error(str(e), param=e.param, code=e.code, kind=e.kind)
 
     async def on_commit(self, ev: LooseEvent) -> None:
-        """Buffer -> a user item (int16 PCM kept at the session rate); barge-in if a
+        """A client's commit; with server VAD on, the turn in progress ends here."""
+        await self._commit(self.turn_item_id or new_id("item"))
+        self.turn_item_id = None
+        if self.vad is not None:
+            self.vad.reset()
+
+    async def _commit(self, item_id: str) -> None:
+        """Buffer -> user item ``item_id`` (int16 PCM kept at the session rate); barge-in if a
         response streams; transcription starts at once for text-only models."""
         ms = len(self.buffer) / 2 / self.rate * 1000
         if ms < MIN_COMMIT_MS:
@@ -274,19 +368,26 @@ class RealtimeSession:
             await self.cancel_active("turn_detected")
         data = bytes(self.buffer)
         self.buffer.clear()  # its bytes move into the item
-        item = Item(new_id("item"), "user", [Part("input_audio", pcm=pcm_array(data), rate=self.rate)])
+        item = Item(item_id, "user", [Part("input_audio", pcm=pcm_array(data), rate=self.rate)])
         try:
             prev = self.insert(item, None)
         except ClientError:
             self.buffer += data  # not committed: the audio stays in the buffer
             raise
         self.emit("input_audio_buffer.committed", item_id=item.id, previous_item_id=prev)
-        self.emit("conversation.item.created", item=item.to_json(), previous_item_id=prev)
+        self.emit_item_added(item, prev)
         self.asr.start(item)
 
     async def on_clear(self, ev: LooseEvent) -> None:
         self.buffer.clear()
+        self.turn_item_id = None
+        if self.vad is not None:
+            self.vad.reset()
         self.emit("input_audio_buffer.cleared")
+
+    async def on_output_audio_clear(self, ev: LooseEvent) -> None:
+        """Accepted: epd sends no audio yet, so there is none buffered to drop."""
+        self.emit("output_audio_buffer.cleared", response_id=self.active.id if self.active else None)
 
     # ---- conversation ------------------------------------------------------------------------
     @staticmethod
@@ -321,8 +422,14 @@ class RealtimeSession:
     async def on_item_create(self, ev: ItemCreate) -> None:
         item = parse_item(ev.item, "item", self.rate)
         prev = self.insert(item, ev.previous_item_id)
-        self.emit("conversation.item.created", item=item.to_json(), previous_item_id=prev)
+        self.emit_item_added(item, prev)
         self.asr.start(item)
+
+    async def on_item_retrieve(self, ev: ItemRetrieve) -> None:
+        item = next((it for it in self.items if it.id == ev.item_id), None)
+        if item is None:
+            raise ClientError(f"item {ev.item_id!r} is not in the conversation", "item_id", "item_not_found")
+        self.emit("conversation.item.retrieved", item=item.to_json())
 
     async def on_item_delete(self, ev: ItemDelete) -> None:
         for i, it in enumerate(self.items):
@@ -409,6 +516,8 @@ class RealtimeSession:
         "input_audio_buffer.clear": (LooseEvent, on_clear),
         "conversation.item.create": (ItemCreate, on_item_create),
         "conversation.item.delete": (ItemDelete, on_item_delete),
+        "conversation.item.retrieve": (ItemRetrieve, on_item_retrieve),
+        "output_audio_buffer.clear": (LooseEvent, on_output_audio_clear),
         "response.create": (ResponseCreate, on_response_create),
         "response.cancel": (ResponseCancel, on_response_cancel),
     }

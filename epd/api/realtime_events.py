@@ -15,6 +15,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from epd.api.vad import ServerVad
+
 DEFAULT_RATE = 24000
 MIN_RATE, MAX_RATE = 8000, 48000
 MIN_COMMIT_MS = 100
@@ -51,10 +53,25 @@ class _Format(LooseEvent):
     rate: int | None = None
 
 
+class TurnDetectionIn(LooseEvent):
+    """``session.audio.input.turn_detection`` (OpenAI's ``server_vad``; ``semantic_vad`` is
+    run as ``server_vad``: its ``eagerness`` is accepted and not acted on)."""
+
+    type: Literal["server_vad", "semantic_vad"] = "server_vad"
+    threshold: float | None = None
+    prefix_padding_ms: int | None = None
+    silence_duration_ms: int | None = None
+    idle_timeout_ms: int | None = None
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+    eagerness: str | None = None
+
+
 class _AudioInput(LooseEvent):
     format: _Format | None = None
-    turn_detection: dict | None = None
+    turn_detection: TurnDetectionIn | None = None
     transcription: dict | None = None
+    noise_reduction: dict | None = None  # accepted, not acted on
 
 
 class _Audio(LooseEvent):
@@ -109,6 +126,10 @@ class ItemCreate(LooseEvent):
 
 
 class ItemDelete(LooseEvent):
+    item_id: str
+
+
+class ItemRetrieve(LooseEvent):
     item_id: str
 
 
@@ -216,6 +237,36 @@ def pcm_array(data: bytes) -> np.ndarray:
 
 
 # ---- checks of client event fields --------------------------------------------------------------
+_VAD_MS_RANGES = {"prefix_padding_ms": (0, 10_000), "silence_duration_ms": (32, 10_000)}
+
+
+def check_turn_detection(td: TurnDetectionIn, param: str) -> ServerVad:
+    """``turn_detection`` as the session runs it: OpenAI's defaults for what is not given.
+
+    Raises:
+        ClientError: a threshold outside (0, 1), a duration out of range, or
+            ``idle_timeout_ms`` (not implemented).
+    """
+    vad = ServerVad()
+    if td.threshold is not None:
+        if not 0.0 < td.threshold < 1.0:
+            raise ClientError(f"threshold must be between 0 and 1, got {td.threshold}", f"{param}.threshold")
+        vad.threshold = td.threshold
+    for name, (lo, hi) in _VAD_MS_RANGES.items():
+        value = getattr(td, name)
+        if value is not None:
+            if not lo <= value <= hi:
+                raise ClientError(f"{name} must be {lo}..{hi}, got {value}", f"{param}.{name}")
+            setattr(vad, name, value)
+    if td.idle_timeout_ms is not None:
+        raise ClientError("idle_timeout_ms is not supported by epd's realtime API yet; leave it null",
+                          f"{param}.idle_timeout_ms", "unsupported_turn_detection")
+    for name in ("create_response", "interrupt_response"):
+        if getattr(td, name) is not None:
+            setattr(vad, name, getattr(td, name))
+    return vad
+
+
 def check_max_tokens(value, param: str, max_model_len: int) -> int | str:
     """``max_output_tokens``: 1 to ``max_model_len - 1``, or ``"inf"``."""
     if value == "inf":

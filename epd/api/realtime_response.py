@@ -217,7 +217,7 @@ class ResponseStream:
         self.ids["item_id"] = resp.item.id
         if resp.in_conversation:
             prev = s.insert(resp.item, None)
-            s.emit("conversation.item.created", item=resp.item.to_json(), previous_item_id=prev)
+            s.emit_item_added(resp.item, prev)
         s.emit("response.output_item.added", response_id=resp.id, output_index=0, item=resp.item.to_json())
         s.emit("response.content_part.added", **self.ids, output_index=0, content_index=0,
                part={"type": "text", "text": ""})
@@ -261,6 +261,8 @@ class ResponseStream:
             s.emit("response.content_part.done", **self.ids, output_index=0, content_index=0,
                    part={"type": "text", "text": text})
             s.emit("response.output_item.done", response_id=resp.id, output_index=0, item=resp.item.to_json())
+            if resp.in_conversation:
+                s.emit("conversation.item.done", item=resp.item.to_json())
         if resp.usage is not None:
             resp.usage["total_tokens"] = resp.usage["input_tokens"] + resp.usage["output_tokens"]
             resp.usage["output_token_details"]["text_tokens"] = resp.usage["output_tokens"]

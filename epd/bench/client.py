@@ -76,12 +76,14 @@ async def send_chat(client, model: str, spec: RequestSpec, rec: RequestRecord, *
 
 
 async def send_voice(client, model: str, spec: RequestSpec, rec: RequestRecord) -> RequestRecord:
-    """One Realtime turn: connect to ``/v1/realtime``, append the clip (PCM16 24 kHz, in
-    ~0.5 s events), commit, ``response.create``, read ``response.output_text.delta``
+    """One Realtime turn: connect to ``/v1/realtime``, turn server VAD off, append the clip
+    (PCM16 24 kHz, in ~0.5 s events), commit, ``response.create``, read ``response.output_text.delta``
     events until ``response.done``. Fills ``rec``; never raises for a failed turn."""
     t0 = time.perf_counter()
     try:
         async with client.realtime.connect(model=model) as conn:
+            # the client commits (no server VAD): the turn ends exactly when the clip does
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
             audio = spec.audio_pcm16 or b""
             for i in range(0, len(audio), VOICE_APPEND_BYTES):
                 await conn.input_audio_buffer.append(audio=base64.b64encode(audio[i:i + VOICE_APPEND_BYTES]).decode())

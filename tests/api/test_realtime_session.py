@@ -18,7 +18,9 @@ from epd.api.realtime import RealtimeSession
 def session() -> RealtimeSession:
     api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16,
                           processor=SimpleNamespace(modalities={"audio": "embed"}))  # embed: no transcription task
-    return RealtimeSession(ws=None, api=api)
+    s = RealtimeSession(ws=None, api=api)
+    s.turn_detection = None  # manual commits (server VAD: tests/serving/test_realtime_vad.py)
+    return s
 
 
 def send(s: RealtimeSession, **event) -> list[dict]:
@@ -41,7 +43,8 @@ def test_session_byte_limit_and_failed_commit_keeps_the_buffer(monkeypatch):
     s = session()
     assert append(s, 9_600) == []  # 200 ms at 24 kHz
     first = send(s, type="input_audio_buffer.commit")
-    assert [e["type"] for e in first] == ["input_audio_buffer.committed", "conversation.item.created"]
+    assert [e["type"] for e in first] == ["input_audio_buffer.committed", "conversation.item.added",
+                                          "conversation.item.created", "conversation.item.done"]
     assert first[1]["item"]["content"] == [{"type": "input_audio", "transcript": None}]
     assert len(s.buffer) == 0 and len(s.items) == 1
     assert append(s, 9_600) == []
@@ -93,3 +96,23 @@ def test_session_update_is_all_or_nothing():
     assert err["error"]["param"] == "session.max_output_tokens"
     (upd,) = send(s, type="session.update", session={"instructions": "Be brief.", "max_output_tokens": "inf"})
     assert upd["session"]["instructions"] == "Be brief." and upd["session"]["max_output_tokens"] == "inf"
+
+
+def test_server_vad_keeps_only_the_padding_between_turns(monkeypatch):
+    """With server VAD (the default) silence never fills the buffer: between turns it
+    holds the prefix padding only, and no turn starts."""
+    monkeypatch.setattr(realtime, "MAX_BUFFER_SECONDS", 1.0)
+    api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16,
+                          processor=SimpleNamespace(modalities={"audio": "embed"}))
+    s = RealtimeSession(ws=None, api=api)
+    assert s.session_json()["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+    for _ in range(30):  # 3 s of silence at 24 kHz, in 100 ms appends
+        assert append(s, 4_800) == []
+    assert len(s.buffer) <= 24_000 * 2 * 300 // 1000 + 4_800
+    (upd,) = send(s, type="session.update", session={"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "threshold": 0.7, "silence_duration_ms": 300, "create_response": False}}}})
+    td = upd["session"]["audio"]["input"]["turn_detection"]
+    assert (td["threshold"], td["silence_duration_ms"], td["create_response"], td["prefix_padding_ms"]) == \
+        (0.7, 300, False, 300)
+    (err,) = send(s, type="session.update", session={"audio": {"input": {"turn_detection": {"threshold": 2}}}})
+    assert err["error"]["param"] == "session.audio.input.turn_detection.threshold"

@@ -311,7 +311,8 @@ def test_bad_events_get_errors_and_the_session_goes_on(server):
             await expect_error("temperature", lambda: conn.session.update(event_id="evt_temp", session={
                 "type": "realtime", "temperature": 5.0}))
             await expect_error("vad", lambda: conn.session.update(event_id="evt_vad", session={
-                "type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad"}}}}))
+                "type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad",
+                                                                            "idle_timeout_ms": 6000}}}}))
             # Still working: the format is unchanged, audio goes in, a text turn is answered.
             await conn.session.update(session={"type": "realtime", "max_output_tokens": 4, "temperature": 0.5})
             upd = await until(conn, lambda e: True)
@@ -340,7 +341,8 @@ def test_bad_events_get_errors_and_the_session_goes_on(server):
     assert errors["empty_commit"].code == "input_audio_buffer_commit_empty"
     assert upd.type == "session.updated" and upd.session.audio.input.format.rate == 24000
     assert upd.session.temperature == 0.5 and upd.session.max_output_tokens == 4
-    assert upd.session.audio.input.turn_detection is None
+    assert upd.session.audio.input.turn_detection.type == "server_vad"  # the default, unchanged
+    assert errors["vad"].code == "unsupported_turn_detection"
     assert cleared.type == "input_audio_buffer.cleared"
     assert not [e for e in log if e.type == "error"]
     assert done.response.status in ("completed", "incomplete") and done.response.usage.output_tokens > 0
@@ -392,19 +394,22 @@ def test_conversation_order_delete_and_out_of_band_response(server, offline):
         log: list = []
         async with connect(server) as conn:
             await until(conn, lambda e: e.type == "session.created")
+            def nxt(kind):  # the next event of ``kind`` or an error (items also get .added / .done)
+                return until(conn, lambda e: e.type in (kind, "error"), log)
+
             await conn.conversation.item.create(item=user("The sky is blue."))
-            a = await until(conn, lambda e: True, log)
+            a = await nxt("conversation.item.created")
             await conn.conversation.item.create(item=user("Grass is green."), previous_item_id="root")
-            b = await until(conn, lambda e: True, log)
+            b = await nxt("conversation.item.created")
             await conn.conversation.item.create(previous_item_id=b.item.id, item={
                 "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Noted."}]})
-            c = await until(conn, lambda e: True, log)
+            c = await nxt("conversation.item.created")
             await conn.conversation.item.create(item=user("x"), previous_item_id="item_nope", event_id="evt_prev")
-            bad_prev = await until(conn, lambda e: True, log)
+            bad_prev = await nxt("conversation.item.created")
             await conn.conversation.item.delete(item_id=c.item.id)
-            deleted = await until(conn, lambda e: True, log)
+            deleted = await nxt("conversation.item.deleted")
             await conn.conversation.item.delete(item_id=c.item.id, event_id="evt_del")
-            bad_del = await until(conn, lambda e: True, log)
+            bad_del = await nxt("conversation.item.deleted")
             await conn.response.create(response={"conversation": "none", "instructions": "Be brief.",
                                                  "max_output_tokens": 2,
                                                  "input": [{"type": "item_reference", "id": a.item.id}]})
@@ -415,6 +420,9 @@ def test_conversation_order_delete_and_out_of_band_response(server, offline):
 
     log, a, b, c, bad_prev, deleted, bad_del, oob, main = asyncio.run(go())
     assert a.type == b.type == c.type == "conversation.item.created"
+    for it in (a, b, c):  # the GA events carry the same item
+        assert [e.item.id for e in log if e.type == "conversation.item.added" and e.item.id == it.item.id]
+        assert [e.item.id for e in log if e.type == "conversation.item.done" and e.item.id == it.item.id]
     assert a.previous_item_id is None and b.previous_item_id is None and c.previous_item_id == b.item.id
     assert bad_prev.type == "error" and bad_prev.error.code == "item_not_found"
     assert bad_prev.error.event_id == "evt_prev"
