@@ -349,6 +349,10 @@ def _add_api_args(api, d: LaunchConfig) -> None:
     api.add_argument("--allowed-origins", default=d.allowed_origins,
                      help="comma-separated browser origins (scheme://host[:port], or *) allowed to open /v1/realtime; "
                           "other Origin headers get 403, clients sending none pass (default: none)")
+    api.add_argument("--served-model-name", nargs="+", default=d.served_model_name, metavar="NAME",
+                     help="the model names the API answers to (requests naming another get 404); the first is "
+                          "the one it reports, in /v1/models and every response (default: the --model path, or "
+                          "SmolLM2-135M-Instruct)")
     api.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=d.tool_call_parser,
                      help="the format the model writes tool calls in: hermes <tool_call>{...}</tool_call> "
                           "(Qwen2.5/3, SmolLM3, Hermes), llama3_json, mistral [TOOL_CALLS] "

@@ -116,6 +116,7 @@ class LaunchConfig:
     max_realtime_sessions: int = 64
     allowed_origins: str = ""  # comma-separated; none: browsers (which send Origin) are refused on /v1/realtime
     tool_call_parser: str | None = None  # None: detected from the chat template
+    served_model_name: list[str] | None = None  # the names clients may ask for; the first is reported
     # KV staging when prefill or decode is tensor-parallel
     kv_staging_mb: int = 256
 

@@ -86,7 +86,7 @@ class CompletionService:
             check_body(body)
         except BadRequest as e:
             return error_response(e.status, str(e), e.param)
-        if body.model not in (None, self.model_name):
+        if body.model not in (None, self.model_name, *settings.model_aliases):
             return error_response(404, f"the model {body.model!r} does not exist; this server serves "
                                        f"{self.model_name!r}", "model", "model_not_found")
         release = self.state.admit(settings.max_pending_requests)

@@ -50,6 +50,7 @@ class RealtimeAPI:
         settings = settings or ApiSettings()
         self.router, self.tokenizer, self.processor = router, tokenizer, processor
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.model_names = (model_name, *settings.model_aliases)
         self.default_max_tokens = min(default_max_tokens, max_model_len - 1)
         self.api_key, self.metrics = settings.api_key, metrics
         self.max_sessions, self.allowed_origins = settings.max_realtime_sessions, settings.allowed_origins
@@ -88,7 +89,7 @@ class RealtimeAPI:
         try:
             await ws.accept()
             model = ws.query_params.get("model")
-            if model not in (None, "", self.model_name):
+            if model not in (None, "", *self.model_names):
                 await self._refuse(ws, 1008, "model_not_found", f"the model {model!r} does not exist; this server "
                                                                 f"serves {self.model_name!r}", "model")
                 return

@@ -74,7 +74,8 @@ def api_settings(config: LaunchConfig):
                        media_fetch_timeout_s=config.media_fetch_timeout,
                        max_media_bytes=int(config.max_media_mb * 2**20),
                        max_realtime_sessions=config.max_realtime_sessions, allowed_origins=tuple(origins),
-                       tool_call_parser=config.tool_call_parser)
+                       tool_call_parser=config.tool_call_parser,
+                       model_aliases=tuple((config.served_model_name or [])[1:]))
 
 
 async def serve(config: LaunchConfig, model_dir: Path, t0: float, *, plan=None, worker_args: list[str] = (),
@@ -146,7 +147,7 @@ async def serve(config: LaunchConfig, model_dir: Path, t0: float, *, plan=None, 
                 lens = [int(st["max_model_len"]) for st in (await router.worker_stats(timeout_s=30.0)).values()
                         if "max_model_len" in st]
                 max_model_len = min([max_model_len, *lens])
-            model_name = config.model or "SmolLM2-135M-Instruct"
+            model_name = (config.served_model_name or [config.model or "SmolLM2-135M-Instruct"])[0]
             app = build_app(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
                             metrics_render=metrics.render_latest, metrics=metrics.get_metrics(),
                             settings=api_settings(config), vocab_size=text_cfg.vocab_size)

@@ -63,6 +63,8 @@ class ApiSettings:
         left); None: the whole context left, as OpenAI and vLLM do.
     tool_call_parser: the format the model writes tool calls in (``hermes``,
         ``llama3_json``, ``mistral``; ``epd.api.tool_parsers``); None: detected from the chat template.
+    model_aliases: names besides the model's own that requests (and ``/v1/realtime``'s
+        ``model``) may give; ``/v1/models`` lists them all.
     """
 
     api_key: str | None = None
@@ -76,6 +78,7 @@ class ApiSettings:
     allowed_origins: tuple[str, ...] = ()
     default_max_tokens: int | None = None
     tool_call_parser: str | None = None
+    model_aliases: tuple[str, ...] = ()  # more names the model answers to (``--served-model-name``)
 
 
 class _BodyTooLarge(Exception):
@@ -179,8 +182,9 @@ def _add_routes(app: FastAPI, service: CompletionService, router: Router, state:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.created,
-                                            "owned_by": "epd", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
+                                            "owned_by": "epd", "max_model_len": max_model_len}
+                                           for name in (model_name, *service.settings.model_aliases)]}
 
     @app.get("/health")
     async def health():
