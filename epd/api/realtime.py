@@ -195,10 +195,10 @@ class RealtimeSession:
     def emit_item_added(self, item: Item, previous_item_id: str | None) -> None:
         """``conversation.item.added`` (GA), ``conversation.item.created`` (the beta name some
         clients still read), and ``conversation.item.done`` once the item is complete."""
-        self.emit("conversation.item.added", item=item.to_json(), previous_item_id=previous_item_id)
-        self.emit("conversation.item.created", item=item.to_json(), previous_item_id=previous_item_id)
-        if item.status == "completed":
-            self.emit("conversation.item.done", item=item.to_json(), previous_item_id=previous_item_id)
+        js = item.to_json()
+        kinds = ("added", "created", "done") if item.status == "completed" else ("added", "created")
+        for kind in kinds:
+            self.emit(f"conversation.item.{kind}", item=js, previous_item_id=previous_item_id)
 
     # ---- the socket --------------------------------------------------------------------
     async def run(self) -> None:
