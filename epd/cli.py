@@ -123,6 +123,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine_kwargs = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
                      for flag, _ in WORKER_ENGINE_FLAGS}
     role = Role(args.role)
+    tts_engine = engine_kwargs.pop("tts_engine")  # the tts pool's; the engine pools' are the rest
     early_signals = args.early_signals
     if early_signals:
         print(f"epd worker {args.instance_id}: {signal.Signals(early_signals[0]).name} while starting: "
@@ -132,7 +133,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                  rank=args.rank, tp=args.tp, threads=args.threads, host=args.advertise_host,
                                  kv_timeout_s=args.kv_timeout, kv_staging_mb=args.kv_staging_mb, keys=keys,
                                  http_port=args.http_port, drain_timeout_s=args.drain_timeout,
-                                 engine_kwargs=engine_kwargs if role != Role.ENCODE else {},
+                                 engine_kwargs=(engine_kwargs if role not in (Role.ENCODE, Role.TTS) else
+                                                {"tts_engine": tts_engine} if role == Role.TTS else {}),
                                  early_signals=early_signals))
 
 
@@ -436,6 +438,9 @@ def _add_worker_parser(sub) -> None:
                    help="model and KV cache dtype (default: auto: bfloat16 where the device computes it "
                         "natively (AVX512_BF16/AMX CPUs, bf16 GPUs), else float32); every prefill and decode "
                         "worker of a deployment must use the same")
+    w.add_argument("--tts-engine", default="espeak",
+                   help="a tts worker's synthesizer: espeak (eSpeak NG, embedded; default) "
+                        "(see epd.tts.load_synthesizer)")
     w.add_argument("--compile", action="store_true",
                    help="run the model through torch.compile (slower start, faster steps on GPUs)")
     w.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")

@@ -55,7 +55,8 @@ def int_list(text: str) -> tuple[int, ...]:
 WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
                        ("--max-prefill-tokens-with-decodes", int), ("--kv-cache-memory-gb", float),
                        ("--num-kv-blocks", int), ("--max-model-len", int), ("--dtype", str),
-                       ("--compile", bool), ("--enforce-eager", bool), ("--cuda-graph-sizes", int_list))
+                       ("--compile", bool), ("--enforce-eager", bool), ("--cuda-graph-sizes", int_list),
+                       ("--tts-engine", str))
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,6 +94,7 @@ class LaunchConfig:
     compile: bool | None = None
     enforce_eager: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
+    tts_engine: str | None = None  # the tts pool's synthesizer (epd.tts.load_synthesizer; None: espeak)
     # routing
     encode_routing: str = ROUTING_POLICIES[Role.ENCODE][0]
     prefill_routing: str = ROUTING_POLICIES[Role.PREFILL][0]

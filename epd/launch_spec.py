@@ -27,14 +27,18 @@ __all__ = ["LaunchSpecError", "PoolSpec", "ROLES", "parse_pools", "parse_tp", "b
 
 #: canonical roles, in launch order
 ROLES = tuple(Role)
-ROLE_SHORT = {Role.ENCODE: "e", Role.PREFILL: "p", Role.DECODE: "d", Role.PD: "pd"}
+ROLE_SHORT = {Role.ENCODE: "e", Role.PREFILL: "p", Role.DECODE: "d", Role.PD: "pd", Role.TTS: "t"}
+#: pools that may be 0 (dropped: no such pool) and take no TP: one device per instance
+OPTIONAL_POOLS = (Role.ENCODE, Role.TTS)
 _ALIASES = {
     "e": Role.ENCODE, "enc": Role.ENCODE, "encode": Role.ENCODE, "encoder": Role.ENCODE,
     "p": Role.PREFILL, "prefill": Role.PREFILL,
     "d": Role.DECODE, "decode": Role.DECODE,
     "pd": Role.PD, "aggregated": Role.PD,
+    "t": Role.TTS, "tts": Role.TTS,
 }
-_POOLS_EXAMPLE = "--pools e:2,p:4,d:8 (disaggregated) or --pools e:1,pd:2 (aggregated prefill+decode)"
+_POOLS_EXAMPLE = ("--pools e:2,p:4,d:8 (disaggregated), --pools e:1,pd:2 (aggregated prefill+decode) or "
+                  "--pools e:1,p:1,d:1,t:1 (with a text-to-speech pool)")
 _TP_EXAMPLE = "--tp p:4,d:1"
 _INT = re.compile(r"[0-9]+")
 
@@ -48,9 +52,10 @@ class PoolSpec:
     """One pool of the launch plan.
 
     Attributes:
-        role: the pool's :class:`~epd.roles.Role`: encode, prefill, decode or pd (aggregated prefill+decode).
+        role: the pool's :class:`~epd.roles.Role`: encode, prefill, decode, pd (aggregated
+            prefill+decode) or tts (text-to-speech).
         devices: devices (processes on CPU) in the pool; one process per device.
-        tp: tensor-parallel ranks per instance (always 1 for encode).
+        tp: tensor-parallel ranks per instance (always 1 for encode and tts).
     """
 
     role: Role
@@ -100,9 +105,9 @@ def _count(value: str, item: str, flag: str, example: str) -> int:
 def parse_pools(text: str) -> dict[Role, int]:
     """Parse ``--pools``: role -> device count, in launch order (encode, prefill, decode, pd).
 
-    Roles are ``e``/``encode``, ``p``/``prefill``, ``d``/``decode``, ``pd``. Counts are
-    whole numbers >= 1, except ``e:0`` (no encode pool, which is dropped from the
-    result). Either both ``p`` and ``d`` or ``pd`` alone must be given.
+    Roles are ``e``/``encode``, ``p``/``prefill``, ``d``/``decode``, ``pd``, ``t``/``tts``.
+    Counts are whole numbers >= 1, except ``e:0`` and ``t:0`` (no encode / text-to-speech
+    pool, dropped from the result). Either both ``p`` and ``d`` or ``pd`` alone must be given.
 
     Raises:
         LaunchSpecError: empty text, malformed entry, unknown role, duplicate role,
@@ -118,9 +123,9 @@ def parse_pools(text: str) -> dict[Role, int]:
             raise LaunchSpecError(f"--pools {text!r} names the {role} pool twice; "
                                   f"give each pool once, e.g. {_POOLS_EXAMPLE}")
         n = _count(value, item, "--pools", _POOLS_EXAMPLE)
-        if n < 1 and role != Role.ENCODE:
+        if n < 1 and role not in OPTIONAL_POOLS:
             raise LaunchSpecError(f"--pools entry {item!r}: a {role} pool needs at least 1 device "
-                                  f"(only the encode pool may be 0 to disable it); e.g. {_POOLS_EXAMPLE}")
+                                  f"(only the encode and tts pools may be 0 to disable them); e.g. {_POOLS_EXAMPLE}")
         counts[role] = n
     has_pd = Role.PD in counts
     if has_pd and (Role.PREFILL in counts or Role.DECODE in counts):
@@ -155,10 +160,10 @@ def parse_tp(text: str | None, pools: dict[Role, int]) -> dict[Role, int]:
     seen: set[Role] = set()
     for item, key, value in _split_items(text, "--tp", _TP_EXAMPLE):
         role = _role(key, item, "--tp", _TP_EXAMPLE)
-        if role == Role.ENCODE:
+        if role in OPTIONAL_POOLS:
             raise LaunchSpecError(
-                f"--tp entry {item!r}: the encode pool has no tensor parallelism (every encode device "
-                f"is its own instance; scale encoders with --pools e:N); give TP for p, d or pd only, "
+                f"--tp entry {item!r}: the {role} pool has no tensor parallelism (every {role} device "
+                f"is its own instance; scale it with --pools {ROLE_SHORT[role]}:N); give TP for p, d or pd only, "
                 f"e.g. {_TP_EXAMPLE}")
         if role in seen:
             raise LaunchSpecError(f"--tp {text!r} names the {role} pool twice; e.g. {_TP_EXAMPLE}")
@@ -199,7 +204,7 @@ def build_launch_plan(pools_text: str, tp_text: str | None, *, num_attention_hea
     tp = parse_tp(tp_text, pools)
     kv = num_kv_heads or num_attention_heads
     for role, n in tp.items():
-        if role == Role.ENCODE or n == 1:
+        if role in OPTIONAL_POOLS or n == 1:
             continue
         if num_attention_heads % n or kv % n:
             valid = [k for k in range(1, min(num_attention_heads, kv) + 1)

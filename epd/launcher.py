@@ -262,7 +262,7 @@ class Launcher:
     def _layout(plan: list[PoolSpec]) -> list[_Slot]:
         slots, dev = [], 0
         for pool in plan:
-            tp = 1 if pool.role == Role.ENCODE else pool.tp
+            tp = 1 if pool.role in (Role.ENCODE, Role.TTS) else pool.tp
             if pool.devices % tp:
                 raise LaunchSpecError(f"TP {tp} does not divide the {pool.devices} devices of the {pool.role} pool")
             for i in range(pool.devices // tp):

@@ -17,6 +17,7 @@ Flow (see docs/architecture.md, "Wire messages"):
   router -> D: ReserveKV (prompt, params, placeholders) D -> router: KVReserved
   router -> P: PrefillRequest           P -> router: PrefillDone ; P -> D (NIXL notif): KVReady or KVWriterDone
   router -> PD: GenerateRequest (aggregated pool)
+  router -> T: SynthesizeRequest (one phrase) T -> router: AudioChunk (stream, the last one ``final``)
   D/PD -> router: TokenOutput (stream)  any -> router: WorkerReady, Heartbeat, RequestFailed
   P/PD -> router: KVEvents (prefix-cache changes, for KV-aware routing)
   router -> any: Abort, PeerGone, Shutdown, Registered / RegistrationRefused, RouterPing
@@ -26,6 +27,7 @@ Flow (see docs/architecture.md, "Wire messages"):
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -307,6 +309,33 @@ class TokenOutput(msgspec.Struct, tag="tokens", frozen=True):
     logprobs: list[TokenLogprob] = []  # one per token id, when the request asked for logprobs
 
 
+# ---- text-to-speech -----------------------------------------------------------------
+#: characters of one phrase to synthesize, and PCM bytes in one audio chunk (~1.4 s at 24 kHz)
+MAX_TTS_TEXT_CHARS = 4096
+MAX_AUDIO_CHUNK_BYTES = 64 * 2**10
+
+
+class SynthesizeRequest(msgspec.Struct, tag="synthesize", frozen=True):
+    """Router -> T: speak ``text`` (one phrase of an answer) in ``voice``."""
+
+    request_id: str
+    text: Annotated[str, msgspec.Meta(max_length=MAX_TTS_TEXT_CHARS)]
+    voice: Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class AudioChunk(msgspec.Struct, tag="audio_chunk", frozen=True):
+    """T -> router: the next PCM16 little-endian mono samples of a phrase, at
+    ``sample_rate`` Hz; ``final``: the phrase is complete (``pcm`` may be empty);
+    ``synth_s``: seconds the synthesizer spent on the phrase so far."""
+
+    request_id: str
+    instance_id: str
+    pcm: Annotated[bytes, msgspec.Meta(max_length=MAX_AUDIO_CHUNK_BYTES)]
+    sample_rate: Annotated[int, msgspec.Meta(ge=8000, le=48000)] = 24000
+    final: bool = False
+    synth_s: float = 0.0
+
+
 class RequestFailed(msgspec.Struct, tag="failed", frozen=True):
     """Worker -> router: a request failed here. ``retryable``: another instance
     (or a second try) may succeed; ``kind`` = "kv_transfer" when the P -> D KV
@@ -401,7 +430,7 @@ class Draining(msgspec.Struct, tag="draining", frozen=True):
 
 
 Message = (WorkerReady | Heartbeat | KVEvents | PeerInfo | EncodeRequest | EncodeDone | ReserveKV | KVReserved
-           | PrefillRequest | KVReady | PrefillDone | GenerateRequest | TokenOutput
+           | PrefillRequest | KVReady | PrefillDone | GenerateRequest | TokenOutput | SynthesizeRequest | AudioChunk
            | RequestFailed | Abort | PeerGone | KVWriterDone | KVWriterFenced | ReleaseEmbeddings | StatsRequest
            | WorkerStats | Shutdown | Registered | RegistrationRefused | RouterPing | Draining)
 

@@ -13,7 +13,7 @@ reads them all back with :func:`render_latest`. Order matters:
    live gauges of dead processes disappear (counters and histograms keep the dead
    process's totals, as they should).
 
-Every metric has the labels ``pool`` ("encode", "prefill", "decode", "pd", or
+Every metric has the labels ``pool`` ("encode", "prefill", "decode", "pd", "tts", or
 "router" for what the router observes about the request as a whole) and
 ``instance`` (an instance id such as "decode-3"). Request-level latencies (TTFT,
 TPOT, ITL, e2e) carry the pool and instance that produced the tokens.
@@ -64,9 +64,15 @@ class Metrics:
         kv_transfer: P -> D KV transfer of one request, first write to last completion.
         decode_queue: KV ready on D to the request joining the running batch.
         decode_step: one decode engine step (the whole running batch).
+        tts_queue: a phrase received by a TTS worker to its synthesis start.
+        tts_first_audio: a phrase received by a TTS worker to its first audio chunk sent.
+        tts_synthesis: synthesis of one phrase, start to last chunk.
 
     Counters:
         kv_transfer_bytes: bytes of KV cache moved P -> D (``epd_kv_transfer_bytes_total``).
+        tts_phrases: phrases a TTS worker spoke.
+        tts_characters: characters of those phrases.
+        tts_audio_seconds: seconds of audio a TTS worker synthesized.
         kv_transfer_failures: KV transfers that failed or timed out.
         kv_transfer_retries: KV transfers retried.
         kv_transfer_requests: NIXL READ/WRITE requests a worker posted (per request: one
@@ -123,10 +129,16 @@ class Metrics:
     kv_transfer: object
     decode_queue: object
     decode_step: object
+    tts_queue: object
+    tts_first_audio: object
+    tts_synthesis: object
     kv_transfer_bytes: object
     kv_transfer_failures: object
     kv_transfer_retries: object
     kv_transfer_requests: object
+    tts_phrases: object
+    tts_characters: object
+    tts_audio_seconds: object
     preemptions: object
     cancelled_requests: object
     migrated_requests: object
@@ -168,6 +180,10 @@ _HISTOGRAMS = {
     "decode_queue": ("epd_decode_queue_seconds",
                      "KV ready on a decode worker to joining its running batch, seconds", LATENCY_BUCKETS),
     "decode_step": ("epd_decode_step_seconds", "One decode engine step, seconds", STEP_BUCKETS),
+    "tts_queue": ("epd_tts_queue_seconds", "Wait of a phrase in a TTS worker's queue, seconds", LATENCY_BUCKETS),
+    "tts_first_audio": ("epd_tts_time_to_first_audio_seconds",
+                        "A phrase received by a TTS worker to its first audio chunk, seconds", LATENCY_BUCKETS),
+    "tts_synthesis": ("epd_tts_synthesis_seconds", "Synthesis of one phrase, seconds", LATENCY_BUCKETS),
 }
 # field -> (metric name without _total, help); exposed as <name>_total
 _COUNTERS = {
@@ -175,6 +191,9 @@ _COUNTERS = {
     "kv_transfer_failures": ("epd_kv_transfer_failures", "KV transfers that failed or timed out"),
     "kv_transfer_retries": ("epd_kv_transfer_retries", "KV transfers retried"),
     "kv_transfer_requests": ("epd_kv_transfer_requests", "NIXL READ/WRITE requests posted"),
+    "tts_phrases": ("epd_tts_phrases", "Phrases spoken by a TTS worker"),
+    "tts_characters": ("epd_tts_characters", "Characters of the phrases a TTS worker spoke"),
+    "tts_audio_seconds": ("epd_tts_audio_seconds", "Seconds of audio a TTS worker synthesized"),
     "preemptions": ("epd_preemptions", "Sequences preempted"),
     "cancelled_requests": ("epd_cancelled_requests", "Requests cancelled"),
     "migrated_requests": ("epd_migrated_requests", "Requests migrated to another decode worker"),

@@ -22,6 +22,7 @@ class Role(enum.StrEnum):
     PREFILL = "prefill"  # prompt prefill; hands its KV to a decode worker
     DECODE = "decode"  # token generation from a transferred KV cache
     PD = "pd"  # aggregated prefill+decode in one engine
+    TTS = "tts"  # text-to-speech: an answer's phrases -> PCM audio (the realtime API's speech out)
 
     __repr__ = str.__repr__  # 'prefill', not <Role.PREFILL: 'prefill'> (see the module doc)
 

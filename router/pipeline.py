@@ -15,6 +15,8 @@ touched (when it did not finish) and forgets it. Its stages:
 - **aggregated** (a ``pd`` pool): ``GenerateRequest`` on one engine that
   prefills and decodes; the same path serves a decode worker recomputing a
   prompt whose KV transfer failed (``role="decode"``).
+- **speech** (the tts pool, on its own wire id per phrase): ``SynthesizeRequest``
+  on one tts worker, which streams ``AudioChunk`` messages until the ``final`` one.
 
 Every wait has a deadline and watches the workers the stage depends on (the
 mailbox's ``expect``). Each stage moves the request's ``RequestState`` (the
@@ -26,13 +28,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from epd.messages import (Abort, EmbeddingRef, EncodeDone, EncodeRequest, GenerateRequest, KVReserved, PrefillDone,
-                          PrefillRequest, ReserveKV, TokenOutput)
+from epd.messages import (Abort, AudioChunk, EmbeddingRef, EncodeDone, EncodeRequest, GenerateRequest, KVReserved,
+                          PrefillDone, PrefillRequest, ReserveKV, SynthesizeRequest, TokenOutput)
 from epd.roles import Role
 from epd.router.mailbox import Mailbox
 from epd.router.policies import NoInstanceError, RoutingPolicy
 from epd.router.registry import PoolRegistry, WorkerHandle
 from epd.router.request import RequestError, RequestState, RequestStates, RouterRequest, TokenEvent
+
+#: the sample rate of the audio the tts pool sends (OpenAI realtime's PCM16 at 24 kHz)
+TTS_SAMPLE_RATE = 24000
 
 PREFILL_STATS = ("kv_bytes", "kv_transfer_s", "kv_exposed_s", "kv_write_s", "prefill_s", "queue_s",
                  "num_transfer_requests")
@@ -140,6 +145,32 @@ class Pipeline:
         finally:
             e.inflight -= 1
         return e.instance_id, list(done.embeddings), list(done.transcripts)
+
+    async def synthesize(self, rid: str, text: str, voice: str, avoid: set[str] | frozenset = frozenset()
+                         ) -> AsyncIterator[bytes]:
+        """The speech stage: the PCM16 bytes of ``text`` from one tts worker, chunk by
+        chunk. Raises RequestError: the worker's failure, a deadline (the first chunk
+        within ``stage_timeout_s``, each next within ``token_timeout_s``), its death, or
+        a malformed chunk (500)."""
+        self._enter(rid, RequestState.SPEECH)
+        t = self._touch(rid, Role.TTS, None, avoid)
+        t.inflight += 1
+        try:
+            t.send(SynthesizeRequest(rid, text, voice))
+            timeout = self.stage_timeout_s
+            while True:
+                chunk = await self.mailbox.expect(rid, (AudioChunk,), timeout, "speech synthesis", watch=(t,))
+                if len(chunk.pcm) % 2 or chunk.sample_rate != TTS_SAMPLE_RATE:
+                    raise RequestError(f"{t.instance_id} sent a malformed audio chunk ({len(chunk.pcm)} bytes at "
+                                       f"{chunk.sample_rate} Hz; expected PCM16 at {TTS_SAMPLE_RATE} Hz)",
+                                       status=500, instance=t.instance_id)
+                if chunk.pcm:
+                    yield chunk.pcm
+                if chunk.final:
+                    return
+                timeout = self.token_timeout_s
+        finally:
+            t.inflight -= 1
 
     async def generate_aggregated(self, req, e_id, refs, placeholders, avoid=frozenset(),
                                   role: Role = Role.PD) -> AsyncIterator[TokenEvent]:

@@ -43,6 +43,7 @@ POLICIES: dict[str, tuple[str, ...]] = {
     Role.PREFILL: ("kv", "least-loaded", "round-robin"),
     Role.PD: ("kv", "least-loaded", "round-robin"),
     Role.DECODE: ("free-kv", "least-loaded", "round-robin"),
+    Role.TTS: ("least-loaded", "round-robin"),
 }
 
 

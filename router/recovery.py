@@ -138,6 +138,43 @@ class Recovery:
         finally:
             self.pipeline.states.finish(request_id, outcome)
 
+    async def synthesize(self, request_id: str, text: str, voice: str) -> AsyncIterator[bytes]:
+        """One phrase's speech through the tts pool (see ``Router.synthesize``): a worker
+        that dies or hangs is replaced by another, which speaks the phrase again; the
+        bytes already yielded are skipped (the synthesizer is deterministic)."""
+        avoid: set[str] = set()
+        outcome = RequestState.CANCELLED
+        sent = 0  # PCM bytes yielded so far
+        wire = wire_id(request_id, 0)
+        self.pipeline.begin(wire, request_id)
+        try:
+            for attempt in itertools.count():
+                if attempt:
+                    wire = wire_id(request_id, attempt)
+                    self.pipeline.begin(wire, request_id)
+                skip = sent
+                try:
+                    async for pcm in self.pipeline.synthesize(wire, text, voice, avoid):
+                        if skip >= len(pcm):
+                            skip -= len(pcm)
+                            continue
+                        pcm, skip = pcm[skip:], 0
+                        sent += len(pcm)
+                        yield pcm
+                    outcome = RequestState.DONE
+                    return
+                except RequestError as e:
+                    if self._give_up(e, attempt):
+                        outcome = RequestState.FAILED
+                        raise
+                    self.note_retry(e, migrated=sent > 0)
+                    if e.instance:
+                        avoid.add(e.instance)
+                finally:
+                    self.pipeline.end(wire, abort=outcome is not RequestState.DONE)
+        finally:
+            self.pipeline.states.finish(request_id, outcome)
+
     async def generate(self, req: RouterRequest) -> AsyncIterator[TokenEvent]:
         """``req``'s token events across its attempts (see ``Router.generate``)."""
         flight = _Flight(req)

@@ -45,6 +45,7 @@ from epd.sampling_params import SamplingParams
 
 class RequestState(enum.Enum):
     ENCODE = "encode"
+    SPEECH = "speech"  # a phrase being synthesized in the tts pool
     PREFILL = "prefill"
     TRANSFER = "transfer"
     DECODE = "decode"
@@ -54,7 +55,8 @@ class RequestState(enum.Enum):
 
 
 #: the states a request is in while it is open (the gauge's ``state`` label values)
-LIVE_STATES = (RequestState.ENCODE, RequestState.PREFILL, RequestState.TRANSFER, RequestState.DECODE)
+LIVE_STATES = (RequestState.ENCODE, RequestState.SPEECH, RequestState.PREFILL, RequestState.TRANSFER,
+               RequestState.DECODE)
 #: the outcomes; a request entering one leaves the state map
 OUTCOMES = (RequestState.DONE, RequestState.CANCELLED, RequestState.FAILED)
 

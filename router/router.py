@@ -10,7 +10,8 @@
 - the routing policies and the KV prefix index (``epd.router.policies``,
   ``epd.router.kv_index``): which instance of a pool gets a request;
 - the pipeline (``epd.router.pipeline``): one attempt's stages, encode ->
-  prefill -> transfer -> decode, or one aggregated engine;
+  prefill -> transfer -> decode, or one aggregated engine; and a phrase's
+  speech in the tts pool;
 - the recovery policy (``epd.router.recovery``): retries and migrations, each
   attempt under its own wire id;
 - the request states (``epd.router.request``): where each open request
@@ -97,7 +98,7 @@ class Router:
         self.policies: dict[str, RoutingPolicy] = {
             role: build_policy(role, name, self.kv_index, kv_overlap_weight)
             for role, name in ((Role.ENCODE, encode_routing), (Role.PREFILL, prefill_routing),
-                               (Role.PD, prefill_routing), (Role.DECODE, decode_routing))}
+                               (Role.PD, prefill_routing), (Role.DECODE, decode_routing), (Role.TTS, None))}
         self.states = RequestStates(lambda: self.metrics)
         self.state_counts = self.states.outcomes  # requests finished in this process, by outcome
         self.pipeline = Pipeline(self.registry, self.mailbox, self.policies, self.states, lambda: self.metrics,
@@ -233,6 +234,14 @@ class Router:
         """Speech-to-text through the E pool (text-only LMs); retried on another
         encoder when one dies or fails (up to ``max_retries``)."""
         return await self.recovery.transcribe(request_id, items)
+
+    def synthesize(self, request_id: str, text: str, voice: str) -> AsyncIterator[bytes]:
+        """Text-to-speech of one phrase through the tts pool: an async iterator of PCM16
+        little-endian mono bytes at ``TTS_SAMPLE_RATE`` Hz as the worker makes them. A
+        worker that dies mid-phrase is replaced by another (synthesis is deterministic:
+        the audio already streamed is skipped). Raises RequestError: 503 with no tts
+        pool, 400 for an unknown voice. Closing the iterator aborts it on the worker."""
+        return self.recovery.synthesize(request_id, text, voice)
 
     def generate(self, req: RouterRequest) -> AsyncIterator[TokenEvent]:
         """Run ``req`` through the pools: an async iterator of its tokens as they come.

@@ -78,7 +78,7 @@ def test_plan_without_kv_heads_means_mha():
     ("e:1.5,p:1,d:1", ["'1.5' is not a whole number"]),
     ("e:-1,p:1,d:1", ["'-1' is not a whole number"]),
     ("e:,p:1,d:1", ["'' is not a whole number"]),
-    ("e:1,p:0,d:1", ["prefill pool needs at least 1 device", "encode pool may be 0"]),
+    ("e:1,p:0,d:1", ["prefill pool needs at least 1 device", "encode and tts pools may be 0"]),
     ("pd:0", ["pd pool needs at least 1"]),
     ("e:1,p:1,d:1,p:2", ["prefill pool twice"]),
     ("e:1,encode:2,p:1,d:1", ["encode pool twice"]),

@@ -28,5 +28,5 @@ def build_app(router: Router, tokenizer, processor: MultiModalProcessor, *, mode
                          state=state)
     rt_kw = {} if settings.default_max_tokens is None else {"default_max_tokens": settings.default_max_tokens}
     mount_realtime(app, router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
-                   settings=settings, state=state, metrics=metrics, **rt_kw)
+                   settings=settings, state=state, metrics=metrics, vocab_size=vocab_size, **rt_kw)
     return app

@@ -23,7 +23,7 @@ from epd.api.cpu_pool import CpuPool, shared_pool
 from epd.api.media_fetch import MediaFetcher
 from epd.api.protocol import BadRequest, ChatRequest, ImagePart, TextPart
 from epd.api.tool_parsers import PARSERS, detect_parser
-from epd.api.tools import ToolPlan, fallback_messages, template_message, template_renders_tools
+from epd.api.tools import ToolPlan, apply_template, template_message, template_renders_tools
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
 
 
@@ -216,14 +216,8 @@ class ChatPromptRenderer:
         Raises:
             BadRequest: the template rejects the messages.
         """
-        kw = {}
-        if self.native_tools:
-            if plan is not None:
-                kw["tools"] = plan.template_tools()
-        elif plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
-            msgs = fallback_messages(msgs, plan, self.tool_parser)
         try:
-            prompt = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
+            prompt = apply_template(self.tokenizer, msgs, plan, self.native_tools, self.tool_parser)
         except Exception as e:  # jinja raises for conversations the template rejects
             raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
         return self.literal.encode(prompt)

@@ -9,31 +9,44 @@ OpenAI's Realtime API reference (client and server events) and the SDK's types i
 Client events handled:
 
 * ``session.update``: ``instructions`` (system prompt), ``max_output_tokens`` (int or
-  ``"inf"``; default 256), ``output_modalities`` (only ``["text"]``),
+  ``"inf"``; default 256), ``output_modalities`` (``["audio"]``, the default when the
+  server has a tts pool, as OpenAI's; else ``["text"]``, the default and only choice),
   ``audio.input.format`` (``{"type": "audio/pcm", "rate": R}``: PCM16 little-endian mono,
-  R from 8000 to 48000 Hz, default 24000; epd resamples with torchaudio),
+  R from 8000 to 48000 Hz, default 24000; epd resamples with torchaudio; or
+  ``audio/pcmu`` / ``audio/pcma``: G.711 at 8 kHz), ``audio.output.format`` (the same
+  types; ``audio/pcm`` at 24000 Hz only, as OpenAI's), ``audio.output.voice`` (one of
+  OpenAI's voice names, ``epd.api.realtime_events.VOICES``; each maps to an eSpeak NG
+  voice), ``audio.output.speed`` (accepted, echoed),
   ``audio.input.turn_detection``: ``server_vad`` (the default, as OpenAI's: ``threshold``,
   ``prefix_padding_ms``, ``silence_duration_ms``, ``create_response``,
-  ``interrupt_response``; ``semantic_vad`` runs as ``server_vad``, ``idle_timeout_ms`` is
-  refused) or ``null`` (the client commits turns), ``audio.input.transcription`` and
+  ``interrupt_response``; ``semantic_vad`` runs as ``server_vad``, ``idle_timeout_ms`` (5000..30000; see
+  below)) or ``null`` / ``false`` (the client commits turns), ``audio.input.transcription`` and
   ``audio.input.noise_reduction`` (accepted and echoed, not acted on: text-only models
   always transcribe with the speech front end, input audio is not filtered), and the
-  epd extension ``temperature`` (default 0: greedy). Other OpenAI fields are ignored;
-  ``tools`` must be empty.
+  epd extension ``temperature`` (default 0: greedy), ``tools`` and ``tool_choice`` (see
+  Tools below). Other OpenAI fields are ignored.
 * ``input_audio_buffer.append`` (base64 PCM16 in the session format; at most
   ``MAX_APPEND_BYTES`` decoded bytes per event and ``MAX_BUFFER_SECONDS`` buffered),
   ``input_audio_buffer.commit`` (at least ``MIN_COMMIT_MS`` of audio),
   ``input_audio_buffer.clear``.
 * ``conversation.item.create``: a ``message`` with role ``user`` (``input_text`` /
-  ``input_audio`` parts), ``assistant`` (``output_text``) or ``system`` (``input_text``);
+  ``input_audio`` parts), ``assistant`` (``output_text``) or ``system`` (``input_text``),
+  a ``function_call`` (an earlier call) or a ``function_call_output`` (a call's result);
   ``previous_item_id`` (``"root"``, an item id, or none: append).
   ``conversation.item.delete``, ``conversation.item.retrieve``. A session holds at most ``MAX_ITEMS`` items and
   ``MAX_SESSION_BYTES`` of text and audio (a transcribed clip's audio is not kept).
 * ``response.create``: ``instructions``, ``max_output_tokens``, ``output_modalities``,
   ``metadata``, ``conversation`` (``"auto"`` or ``"none"``), ``input`` (items or
   ``item_reference``\\ s instead of the conversation), epd extension ``temperature``.
+  ``audio.output.voice`` / ``.format`` for this response.
 * ``response.cancel`` (optional ``response_id``).
-* ``output_audio_buffer.clear`` (answered ``output_audio_buffer.cleared``; epd sends no audio yet).
+* ``conversation.item.truncate`` (``item_id``, ``content_index``, ``audio_end_ms``): the
+  client played only that much of an assistant's audio; the item's transcript is cut to
+  the characters spoken by then (from the per-phrase marks the response kept), so the
+  next turn's prompt holds only what the user heard. ``audio_end_ms`` past the item's
+  audio is an error (param ``audio_end_ms``).
+* ``output_audio_buffer.clear`` (answered ``output_audio_buffer.cleared``; audio is
+  streamed as it is made, so there is no server-side buffer to clear).
 
 Server VAD (``epd.api.vad``: Silero VAD, run in the API's CPU pool): appended audio is
 scored in 32 ms windows; a turn's onset sends ``input_audio_buffer.speech_started``
@@ -45,14 +58,16 @@ the session's settings would. Between turns the buffer keeps only the prefix pad
 A manual ``input_audio_buffer.commit`` still works and ends the turn in progress.
 
 Server events sent: ``session.created``, ``session.updated``,
-``input_audio_buffer.speech_started`` / ``speech_stopped``, ``input_audio_buffer.committed``,
+``input_audio_buffer.speech_started`` / ``speech_stopped`` / ``timeout_triggered``, ``input_audio_buffer.committed``,
 ``input_audio_buffer.cleared``, ``conversation.item.added`` and ``conversation.item.done``
 (the GA names; ``conversation.item.created``, the beta name, is sent too),
 ``conversation.item.retrieved``, ``conversation.item.deleted``,
 ``conversation.item.input_audio_transcription.completed`` / ``.failed`` (text-only
 models: what the speech front end heard), ``response.created``,
 ``response.output_item.added``, ``response.content_part.added``,
-``response.output_text.delta``, ``response.output_text.done``,
+``response.output_text.delta``, ``response.output_text.done`` (audio responses:
+``response.output_audio.delta`` / ``.done`` and ``response.output_audio_transcript.delta`` /
+``.done`` instead), ``response.function_call_arguments.delta`` / ``.done``,
 ``response.content_part.done``, ``response.output_item.done``, ``response.done`` (status
 ``completed``, ``incomplete`` (max_output_tokens), ``cancelled`` (``client_cancelled``
 or ``turn_detected``) or ``failed``; with ``usage``), ``error`` (``error.event_id`` names
@@ -90,7 +105,28 @@ decode slot and KV blocks are freed), the rest of its held text goes out as a la
 segment (reason ``cancelled``), and ``response.done`` has status ``cancelled``; no delta
 of that response follows it. Closing the socket does the same.
 
-No audio output, tools, ``idle_timeout_ms``, or ``conversation.item.truncate`` yet.
+Speech out (``--pools ...,t:N``, ``epd.workers.tts_worker``): an audio response's text
+is cut into phrases (the segments above) and each phrase is synthesized on the tts pool
+as soon as it is complete, while decode goes on; its audio streams as
+``response.output_audio.delta`` (base64, in the session's output format) and its text as
+``response.output_audio_transcript.delta``, then ``response.output_audio.done`` and
+``response.output_audio_transcript.done``. Barge-in stops synthesis too (the tts
+request is aborted) and keeps, as the item's transcript, the text already spoken.
+
+Idle timeout (``turn_detection.idle_timeout_ms``): that much input audio with no speech
+after a response (counted from the end of its audio, as a client playing it as it
+arrives hears it) sends ``input_audio_buffer.timeout_triggered`` (``audio_start_ms``,
+``audio_end_ms``, ``item_id``), commits the buffered silence to that item and answers it
+(``create_response``), so the assistant can prompt a silent user. The clock is the input
+audio's (what was appended), not the wall clock.
+
+Tools (``epd.api.realtime_tools``): ``session.tools`` / ``tool_choice`` (and per
+``response.create``), OpenAI's flat function tools, run through the chat API's tool
+machinery (``epd.api.tools``: the chat template or a system message shows them;
+``required`` or a named function forces a valid call by grammar). Calls stream as
+``function_call`` output items with ``response.function_call_arguments.delta`` /
+``.done``; the client's ``function_call_output`` items go into the next prompt as tool
+results.
 """
 
 from __future__ import annotations
@@ -107,12 +143,15 @@ from pydantic import BaseModel, ValidationError
 from epd.api.protocol import invalid_field
 from epd.api.realtime_conn import EventChannel
 from epd.api.cpu_pool import shared_pool
-from epd.api.realtime_events import (DEFAULT_RATE, MAX_APPEND_BYTES, MIN_COMMIT_MS, AudioAppend, ClientError, Item,
-                                     ItemCreate, ItemDelete, ItemIn, ItemRetrieve, LooseEvent, Part, ResponseCancel,
-                                     ResponseCreate, ResponseIn, ResponseState, SessionUpdate, check_max_tokens,
-                                     check_modalities, check_temperature, check_turn_detection, input_rate, new_id,
+from epd.api.audio_formats import PCM, AudioFormat
+from epd.api.realtime_events import (DEFAULT_RATE, MAX_APPEND_BYTES, MIN_COMMIT_MS, OUTPUT_RATE, VOICES, AudioAppend,
+                                     ClientError, Item, ItemCreate, ItemDelete, ItemIn, ItemRetrieve, ItemTruncate,
+                                     LooseEvent, Part, ResponseCancel, ResponseCreate, ResponseIn, ResponseState,
+                                     SessionUpdate, TurnDetectionIn, audio_format, check_max_tokens, check_modalities,
+                                     check_temperature, check_turn_detection, check_voice, input_format, new_id,
                                      parse_item, pcm16, pcm_array)
 from epd.api.realtime_response import ASR_RETRY_S, ResponseStream, Transcriber
+from epd.api.realtime_tools import NO_TOOLS, SessionTools, check_tools
 from epd.api.vad import VAD_RATE, ServerVad, SpeechDetector
 from epd.encoders.media import MediaError
 from epd.errors import InvalidRequestError
@@ -132,7 +171,22 @@ MAX_SESSION_BYTES = 64 * 2**20
 #: server events waiting for a client that does not read them; past it the socket is closed (1008)
 MAX_OUTBOUND_BYTES = 16 * 2**20
 DEFAULT_MAX_OUTPUT_TOKENS = 256
-_UNSUPPORTED_EVENTS = {"conversation.item.truncate", "transcription_session.update"}
+_UNSUPPORTED_EVENTS = {"transcription_session.update"}
+
+
+def truncated_transcript(part: Part, audio_end_ms: float) -> str:
+    """The transcript of an ``output_audio`` part as heard up to ``audio_end_ms``: every
+    phrase that ended by then, and of the phrase playing then the share of its words
+    that its elapsed share of audio covers (speech rate is even enough within a phrase)."""
+    text, prev_ms, prev_n = part.text or "", 0.0, 0
+    for ms, n in part.marks:
+        if audio_end_ms >= ms:
+            prev_ms, prev_n = ms, n
+            continue
+        words = text[prev_n:n].split()
+        keep = int(len(words) * (audio_end_ms - prev_ms) / max(ms - prev_ms, 1e-9))
+        return (text[:prev_n] + " ".join(words[:keep])).rstrip()
+    return text[:prev_n] if part.marks else text
 
 
 class RealtimeSession:
@@ -151,15 +205,21 @@ class RealtimeSession:
         self.instructions: str | None = None
         self.max_output_tokens: int | str = api.default_max_tokens
         self.temperature = 0.0
-        self.rate = DEFAULT_RATE
+        self.input_format = AudioFormat(PCM, DEFAULT_RATE)
+        self.output_format = AudioFormat(PCM, OUTPUT_RATE)
+        self.voice = VOICES[0]
+        self.has_tts = api.router.has_pool("tts")
+        self.modalities: tuple[str, ...] = ("audio",) if self.has_tts else ("text",)  # OpenAI's default: audio
         self.transcription: dict | None = None
         self.noise_reduction: dict | None = None
         self.turn_detection: ServerVad | None = ServerVad()  # OpenAI's default; null: the client commits
+        self.tools: SessionTools = NO_TOOLS
         self.vad: SpeechDetector | None = None  # built on the first audio while turn_detection is on
         self.turn_item_id: str | None = None  # the item a detected turn commits to
         self.items: list[Item] = []
         self.buffer = bytearray()
         self.input_ms = 0.0  # input audio appended since the session began
+        self.idle_from_ms: float | None = None  # input time the idle timeout counts from (after a response)
         self.cpu = shared_pool()
         self.active: ResponseState | None = None
         self.channel = EventChannel(ws, MAX_OUTBOUND_BYTES)
@@ -182,15 +242,21 @@ class RealtimeSession:
         self.emit("error", error={"type": kind, "code": code, "message": message, "param": param,
                                   "event_id": event_id})
 
+    @property
+    def rate(self) -> int:
+        """The sample rate of the input audio buffer (PCM16 at the input format's rate)."""
+        return self.input_format.rate
+
     def session_json(self) -> dict:
         """The session as ``session.created`` / ``session.updated`` carry it."""
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.api.model_name,
-                "output_modalities": ["text"], "instructions": self.instructions,
+                "output_modalities": list(self.modalities), "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens, "temperature": self.temperature,
-                "tools": [], "tool_choice": "auto",
-                "audio": {"input": {"format": {"type": "audio/pcm", "rate": self.rate},
+                "tools": self.tools.tools, "tool_choice": self.tools.choice,
+                "audio": {"input": {"format": self.input_format.to_json(),
                                     "turn_detection": self.turn_detection.to_json() if self.turn_detection else None,
-                                    "transcription": self.transcription, "noise_reduction": self.noise_reduction}}}
+                                    "transcription": self.transcription, "noise_reduction": self.noise_reduction},
+                          "output": {"format": self.output_format.to_json(), "voice": self.voice, "speed": 1.0}}}
 
     def emit_item_added(self, item: Item, previous_item_id: str | None) -> None:
         """``conversation.item.added`` (GA), ``conversation.item.created`` (the beta name some
@@ -271,21 +337,31 @@ class RealtimeSession:
         if s.temperature is not None:
             new["temperature"] = check_temperature(s.temperature, "session.temperature")
         if s.output_modalities is not None:
-            check_modalities(s.output_modalities, "session.output_modalities")
-        if s.tools:
-            raise ClientError("tools are not supported by epd's realtime API", "session.tools", "unsupported_tools")
+            new["modalities"] = check_modalities(s.output_modalities, "session.output_modalities", self.has_tts)
+        if "tools" in sent or "tool_choice" in sent:
+            new["tools"] = await self._tools(s.tools if "tools" in sent else self.tools.tools,
+                                             s.tool_choice if "tool_choice" in sent else self.tools.choice, "session")
         inp = s.audio.input if s.audio is not None else None
+        out = s.audio.output if s.audio is not None else None
+        if out is not None:
+            if out.format is not None:
+                new["output_format"] = audio_format(out.format, "session.audio.output.format", output=True)
+            if out.voice is not None:
+                new["voice"] = check_voice(out.voice, "session.audio.output.voice")
         if inp is not None:
             if inp.format is not None:
-                new["rate"] = input_rate(inp.format, self.rate, bool(self.buffer))
+                new["input_format"] = input_format(inp.format, self.input_format, bool(self.buffer))
             if "turn_detection" in inp.model_fields_set:
-                new["turn_detection"] = (None if inp.turn_detection is None else
-                                         check_turn_detection(inp.turn_detection, "session.audio.input.turn_detection"))
+                td = inp.turn_detection
+                if td is True:
+                    td = TurnDetectionIn()
+                new["turn_detection"] = (None if td is None or td is False else
+                                         check_turn_detection(td, "session.audio.input.turn_detection"))
             if "transcription" in inp.model_fields_set:
                 new["transcription"] = inp.transcription
             if "noise_reduction" in inp.model_fields_set:
                 new["noise_reduction"] = inp.noise_reduction  # accepted; epd does not filter input audio
-        if "turn_detection" in new or "rate" in new:
+        if "turn_detection" in new or "input_format" in new:
             self.vad, self.turn_item_id = None, None  # a turn in progress is forgotten; its audio stays buffered
         for k, v in new.items():
             setattr(self, k, v)
@@ -293,7 +369,7 @@ class RealtimeSession:
 
     # ---- input audio buffer -------------------------------------------------------------------
     async def on_append(self, ev: AudioAppend) -> None:
-        data = pcm16(ev.audio, "audio", check_container=not self.buffer)
+        data = pcm16(ev.audio, "audio", check_container=not self.buffer, fmt=self.input_format)
         if (len(self.buffer) + len(data)) / 2 / self.rate > MAX_BUFFER_SECONDS:
             raise ClientError(f"the input audio buffer would exceed {MAX_BUFFER_SECONDS:g} s; commit or clear it",
                               "audio", "input_audio_buffer_full")
@@ -309,6 +385,35 @@ class RealtimeSession:
                 await self._speech_stopped(ms)
         if self.vad is not None and not self.vad.in_speech:  # between turns only the padding is kept
             self._trim_buffer(self.input_ms - self.turn_detection.prefix_padding_ms)
+            await self._check_idle()
+
+    def response_finished(self, resp: ResponseState, started_ms: float, audio_ms: float) -> None:
+        """(From the response task.) The idle timeout counts from when the answer's audio
+        ends playing: ``audio_ms`` of it from ``started_ms`` (input time at the response's
+        start, a client playing as it receives), or from now if that is later."""
+        self.idle_from_ms = max(self.input_ms, started_ms + audio_ms)
+
+    async def _check_idle(self) -> None:
+        """``idle_timeout_ms`` of input audio without speech after a response: send
+        ``input_audio_buffer.timeout_triggered``, commit what the buffer holds (the prefix
+        padding: silence) and answer it, as OpenAI's server VAD does, so the assistant can
+        prompt a silent user. Measured on the input audio's clock (the audio appended),
+        not the wall clock."""
+        td = self.turn_detection
+        if (td is None or td.idle_timeout_ms is None or self.idle_from_ms is None or self.active is not None
+                or self.input_ms - self.idle_from_ms < td.idle_timeout_ms):
+            return
+        start_ms, self.idle_from_ms = self.idle_from_ms, None
+        item_id = new_id("item")
+        self.emit("input_audio_buffer.timeout_triggered", audio_start_ms=int(start_ms),
+                  audio_end_ms=int(self.input_ms), item_id=item_id)
+        try:
+            if len(self.buffer) / 2 / self.rate * 1000 >= MIN_COMMIT_MS:
+                await self._commit(item_id)
+            if td.create_response:
+                await self.on_response_create(ResponseCreate())
+        except ClientError as e:
+            self.emit_error(str(e), param=e.param, code=e.code, kind=e.kind)
 
     # ---- server VAD ----------------------------------------------------------------------------
     def _detect(self, data: bytes) -> list[tuple[str, int]]:
@@ -386,7 +491,8 @@ class RealtimeSession:
         self.emit("input_audio_buffer.cleared")
 
     async def on_output_audio_clear(self, ev: LooseEvent) -> None:
-        """Accepted: epd sends no audio yet, so there is none buffered to drop."""
+        """Accepted: over a WebSocket the client buffers the audio it was sent, so the
+        server holds none to drop (the client stops its playback and truncates the item)."""
         self.emit("output_audio_buffer.cleared", response_id=self.active.id if self.active else None)
 
     # ---- conversation ------------------------------------------------------------------------
@@ -431,6 +537,29 @@ class RealtimeSession:
             raise ClientError(f"item {ev.item_id!r} is not in the conversation", "item_id", "item_not_found")
         self.emit("conversation.item.retrieved", item=item.to_json())
 
+    async def on_item_truncate(self, ev: ItemTruncate) -> None:
+        """Cut an assistant audio item to what the client played (``audio_end_ms``): its
+        transcript keeps the phrases spoken before that point, and the words of the
+        phrase it fell in in proportion; the audio past it is forgotten."""
+        item = next((it for it in self.items if it.id == ev.item_id), None)
+        if item is None:
+            raise ClientError(f"item {ev.item_id!r} is not in the conversation", "item_id", "item_not_found")
+        if item.role != "assistant" or not 0 <= ev.content_index < len(item.parts) or \
+                item.parts[ev.content_index].type != "output_audio":
+            raise ClientError("only an assistant item's output_audio part can be truncated", "content_index",
+                              "invalid_value")
+        if self.active is not None and self.active.item is item:
+            await self.cancel_active("client_cancelled")  # the client stopped playing it: nothing more is heard
+        part = item.parts[ev.content_index]
+        if not 0 <= ev.audio_end_ms <= part.audio_ms + 1:
+            raise ClientError(f"audio_end_ms {ev.audio_end_ms} is past the item's {part.audio_ms:.0f} ms of audio",
+                              "audio_end_ms", "invalid_value")
+        part.text = truncated_transcript(part, ev.audio_end_ms)
+        part.marks = [(ms, n) for ms, n in part.marks if ms <= ev.audio_end_ms] + [(float(ev.audio_end_ms),
+                                                                                    len(part.text))]
+        self.emit("conversation.item.truncated", item_id=item.id, content_index=ev.content_index,
+                  audio_end_ms=ev.audio_end_ms)
+
     async def on_item_delete(self, ev: ItemDelete) -> None:
         for i, it in enumerate(self.items):
             if it.id == ev.item_id:
@@ -442,6 +571,12 @@ class RealtimeSession:
         raise ClientError(f"item {ev.item_id!r} is not in the conversation", "item_id", "item_not_found")
 
     # ---- responses ----------------------------------------------------------------------------
+    async def _tools(self, tools: list | None, tool_choice, param: str) -> SessionTools:
+        """``check_tools`` in the CPU pool (the grammar engine checks each schema)."""
+        prompt = self.api.prompt
+        return await self.cpu.run(check_tools, tools, tool_choice, param, prompt.tool_parser.name,
+                                  prompt.constraints.checked)
+
     async def on_response_create(self, ev: ResponseCreate) -> None:
         """Fix the prompt's items now, answer ``response.created``, run the response task."""
         if self.active is not None:
@@ -450,12 +585,21 @@ class RealtimeSession:
         r = ev.response or ResponseIn()
         if r.conversation not in (None, "auto", "none"):
             raise ClientError("response.conversation must be 'auto' or 'none'", "response.conversation")
-        if r.output_modalities is not None:
-            check_modalities(r.output_modalities, "response.output_modalities")
+        modalities = (self.modalities if r.output_modalities is None else
+                      check_modalities(r.output_modalities, "response.output_modalities", self.has_tts))
+        out = r.audio.output if r.audio is not None else None
+        voice = (check_voice(out.voice, "response.audio.output.voice") if out is not None and out.voice is not None
+                 else self.voice)
+        fmt = (audio_format(out.format, "response.audio.output.format", output=True)
+               if out is not None and out.format is not None else self.output_format)
         max_tokens = (self.max_output_tokens if r.max_output_tokens is None
                       else check_max_tokens(r.max_output_tokens, "response.max_output_tokens", self.api.max_model_len))
         temperature = (self.temperature if r.temperature is None
                        else check_temperature(r.temperature, "response.temperature"))
+        sent = r.model_fields_set
+        tools = (self.tools if "tools" not in sent and "tool_choice" not in sent else
+                 await self._tools(r.tools if "tools" in sent else self.tools.tools,
+                                   r.tool_choice if "tool_choice" in sent else self.tools.choice, "response"))
         if r.input is not None:
             items = []
             for i, raw in enumerate(r.input):
@@ -486,7 +630,7 @@ class RealtimeSession:
         self.asr.retry_failed(items)
         instructions = r.instructions if "instructions" in r.model_fields_set else self.instructions
         resp = ResponseState(new_id("resp"), items, instructions, max_tokens, temperature, r.metadata,
-                             r.conversation != "none")
+                             r.conversation != "none", modalities, voice, fmt, tools.plan)
         self.active = resp
         self.emit("response.created", response=resp.to_json(self.conversation_id))
         resp.task = asyncio.create_task(ResponseStream(self, resp).run())
@@ -517,6 +661,7 @@ class RealtimeSession:
         "conversation.item.create": (ItemCreate, on_item_create),
         "conversation.item.delete": (ItemDelete, on_item_delete),
         "conversation.item.retrieve": (ItemRetrieve, on_item_retrieve),
+        "conversation.item.truncate": (ItemTruncate, on_item_truncate),
         "output_audio_buffer.clear": (LooseEvent, on_output_audio_clear),
         "response.create": (ResponseCreate, on_response_create),
         "response.cancel": (ResponseCancel, on_response_cancel),

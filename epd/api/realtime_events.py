@@ -15,9 +15,14 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from epd.api.audio_formats import FORMATS, G711_RATE, PCM, AudioFormat
 from epd.api.vad import ServerVad
 
 DEFAULT_RATE = 24000
+#: the output audio rate of ``audio/pcm`` (the tts pool speaks at it)
+OUTPUT_RATE = 24000
+#: OpenAI's built-in voices (each maps to an eSpeak NG voice, ``epd.tts``); the default first
+VOICES = ("alloy", "ash", "ballad", "coral", "echo", "sage", "shimmer", "verse", "marin", "cedar")
 MIN_RATE, MAX_RATE = 8000, 48000
 MIN_COMMIT_MS = 100
 #: decoded PCM bytes in one ``input_audio_buffer.append`` (or one ``input_audio`` part): ~87 s at 24 kHz
@@ -49,7 +54,7 @@ class LooseEvent(BaseModel):
 
 
 class _Format(LooseEvent):
-    type: str = "audio/pcm"
+    type: str = PCM
     rate: int | None = None
 
 
@@ -69,13 +74,20 @@ class TurnDetectionIn(LooseEvent):
 
 class _AudioInput(LooseEvent):
     format: _Format | None = None
-    turn_detection: TurnDetectionIn | None = None
+    turn_detection: TurnDetectionIn | bool | None = None  # false, as null: the client commits
     transcription: dict | None = None
     noise_reduction: dict | None = None  # accepted, not acted on
 
 
+class _AudioOutput(LooseEvent):
+    format: _Format | None = None
+    voice: str | dict | None = None
+    speed: float | None = None
+
+
 class _Audio(LooseEvent):
     input: _AudioInput | None = None
+    output: _AudioOutput | None = None
 
 
 class SessionIn(LooseEvent):
@@ -85,6 +97,7 @@ class SessionIn(LooseEvent):
     output_modalities: list[str] | None = None
     audio: _Audio | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
     temperature: float | None = None
 
 
@@ -100,6 +113,10 @@ class ItemIn(LooseEvent):
     id: str | None = None
     role: str | None = None
     content: list[ContentIn] = []
+    call_id: str | None = None  # function_call / function_call_output
+    name: str | None = None  # function_call
+    arguments: str | None = None  # function_call
+    output: str | None = None  # function_call_output
 
 
 class ResponseIn(LooseEvent):
@@ -110,6 +127,9 @@ class ResponseIn(LooseEvent):
     output_modalities: list[str] | None = None
     metadata: dict[str, str] | None = None
     temperature: float | None = None
+    audio: _Audio | None = None  # audio.output.voice / format for this response
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
 
 class SessionUpdate(LooseEvent):
@@ -133,6 +153,12 @@ class ItemRetrieve(LooseEvent):
     item_id: str
 
 
+class ItemTruncate(LooseEvent):
+    item_id: str
+    content_index: int = 0
+    audio_end_ms: int
+
+
 class ResponseCreate(LooseEvent):
     response: ResponseIn | None = None
 
@@ -145,33 +171,54 @@ class ResponseCancel(LooseEvent):
 @dataclass(slots=True)
 class Part:
     """One content part. ``pcm``: int16 [samples] at ``rate`` Hz (input_audio);
-    ``asr``: the transcription task (text-only models)."""
+    ``asr``: the transcription task (text-only models). ``output_audio``: ``text`` is
+    the transcript, ``marks`` (audio ms, transcript chars) at each spoken phrase's end
+    (``conversation.item.truncate`` cuts the transcript at them)."""
 
-    type: str  # input_text | input_audio | output_text
+    type: str  # input_text | input_audio | output_text | output_audio
     text: str | None = None
     pcm: np.ndarray | None = None
     rate: int = 0
     transcript: str | None = None
     asr: asyncio.Task | None = None
+    marks: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def audio_ms(self) -> float:
+        """Milliseconds of audio spoken for an output_audio part."""
+        return self.marks[-1][0] if self.marks else 0.0
 
     def to_json(self) -> dict:
         if self.type == "input_audio":
             return {"type": "input_audio", "transcript": self.transcript}
+        if self.type == "output_audio":
+            return {"type": "output_audio", "transcript": self.text or ""}
         return {"type": self.type, "text": self.text or ""}
 
 
 @dataclass(slots=True)
 class Item:
-    """A conversation item: a ``message`` of ``role`` user, assistant or system."""
+    """A conversation item: a ``message`` of ``role`` user, assistant or system; a
+    ``function_call`` (the assistant's: ``call_id``, ``name``, ``arguments`` JSON); or a
+    ``function_call_output`` (the client's result for ``call_id``: ``output``)."""
 
     id: str
     role: str
     parts: list[Part]
     status: str = "completed"
+    type: str = "message"
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
 
     def to_json(self) -> dict:
-        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
-                "status": self.status, "content": [p.to_json() for p in self.parts]}
+        head = {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status}
+        if self.type == "function_call":
+            return {**head, "call_id": self.call_id, "name": self.name, "arguments": self.arguments or ""}
+        if self.type == "function_call_output":
+            return {**head, "call_id": self.call_id, "output": self.output or ""}
+        return {**head, "role": self.role, "content": [p.to_json() for p in self.parts]}
 
 
 @dataclass(slots=True)
@@ -185,9 +232,14 @@ class ResponseState:
     temperature: float
     metadata: dict | None
     in_conversation: bool
+    modalities: tuple[str, ...] = ("text",)  # ("text",) or ("audio",)
+    voice: str = VOICES[0]
+    audio_format: AudioFormat = AudioFormat(PCM, OUTPUT_RATE)
+    tools: object = None  # the response's epd.api.tools.ToolPlan, or None
     status: str = "in_progress"
     status_details: dict | None = None
-    item: Item | None = None
+    item: Item | None = None  # the assistant message
+    outputs: list[Item] = field(default_factory=list)  # the message and function_call items, in output order
     usage: dict | None = None
     cancel_reason: str | None = None
     task: asyncio.Task | None = None
@@ -195,20 +247,24 @@ class ResponseState:
 
     def to_json(self, conversation_id: str) -> dict:
         """The response as ``response.created`` / ``response.done`` carry it."""
+        audio = ({"output": {"format": self.audio_format.to_json(), "voice": self.voice}}
+                 if "audio" in self.modalities else None)
         return {"id": self.id, "object": "realtime.response", "status": self.status,
-                "status_details": self.status_details, "output": [self.item.to_json()] if self.item else [],
+                "status_details": self.status_details, "output": [it.to_json() for it in self.outputs],
                 "conversation_id": conversation_id if self.in_conversation else None,
-                "output_modalities": ["text"], "max_output_tokens": self.max_output_tokens,
-                "metadata": self.metadata, "usage": self.usage, "audio": None}
+                "output_modalities": list(self.modalities), "max_output_tokens": self.max_output_tokens,
+                "metadata": self.metadata, "usage": self.usage, "audio": audio}
 
 
-def pcm16(audio_b64: str, param: str, check_container: bool = True) -> bytes:
-    """Base64 PCM16 -> bytes, with the checks every audio input shares. ``check_container``:
-    reject bytes that start like a WAV/FLAC/OGG/MP3 file (only at the start of a clip:
-    further in, those 4 bytes are as likely samples).
+def pcm16(audio_b64: str, param: str, check_container: bool = True, fmt: AudioFormat | None = None) -> bytes:
+    """Base64 audio in ``fmt`` (default PCM16) -> PCM16 little-endian bytes, with the checks
+    every audio input shares; G.711 (``audio/pcmu`` / ``audio/pcma``) is expanded to PCM16.
+    ``check_container``: reject bytes that start like a WAV/FLAC/OGG/MP3 file (only at
+    the start of a clip: further in, those 4 bytes are as likely samples).
 
     Raises:
-        ClientError: over ``MAX_APPEND_BYTES``, not base64, a container file, or an odd byte count.
+        ClientError: over ``MAX_APPEND_BYTES``, not base64, a container file, or an odd
+            byte count (PCM16).
     """
     if len(audio_b64) > (MAX_APPEND_BYTES + 2) // 3 * 4 + 4:
         raise ClientError(f"audio is over the {MAX_APPEND_BYTES}-byte limit per event "
@@ -222,9 +278,11 @@ def pcm16(audio_b64: str, param: str, check_container: bool = True) -> bytes:
                           f"(decoded PCM16); send it in smaller appends", param, "audio_too_large")
     for magic, name in _CONTAINER_MAGIC.items():
         if check_container and data.startswith(magic):
-            raise ClientError(f"audio looks like a {name} file; send raw PCM16 little-endian mono samples in the "
-                              f"session's input format (audio/pcm), without a container header", param,
+            raise ClientError(f"audio looks like a {name} file; send raw samples in the session's input format "
+                              f"({fmt.type if fmt else PCM}), without a container header", param,
                               "invalid_audio_format")
+    if fmt is not None and fmt.type != PCM:
+        return fmt.decode(data)
     if len(data) % 2:
         raise ClientError(f"PCM16 audio needs an even number of bytes, got {len(data)}", param,
                           "invalid_audio_format")
@@ -244,8 +302,7 @@ def check_turn_detection(td: TurnDetectionIn, param: str) -> ServerVad:
     """``turn_detection`` as the session runs it: OpenAI's defaults for what is not given.
 
     Raises:
-        ClientError: a threshold outside (0, 1), a duration out of range, or
-            ``idle_timeout_ms`` (not implemented).
+        ClientError: a threshold outside (0, 1), or a duration out of range.
     """
     vad = ServerVad()
     if td.threshold is not None:
@@ -259,8 +316,10 @@ def check_turn_detection(td: TurnDetectionIn, param: str) -> ServerVad:
                 raise ClientError(f"{name} must be {lo}..{hi}, got {value}", f"{param}.{name}")
             setattr(vad, name, value)
     if td.idle_timeout_ms is not None:
-        raise ClientError("idle_timeout_ms is not supported by epd's realtime API yet; leave it null",
-                          f"{param}.idle_timeout_ms", "unsupported_turn_detection")
+        if not 5_000 <= td.idle_timeout_ms <= 30_000:
+            raise ClientError(f"idle_timeout_ms must be 5000..30000 (or null), got {td.idle_timeout_ms}",
+                              f"{param}.idle_timeout_ms")
+        vad.idle_timeout_ms = td.idle_timeout_ms
     for name in ("create_response", "interrupt_response"):
         if getattr(td, name) is not None:
             setattr(vad, name, getattr(td, name))
@@ -282,38 +341,73 @@ def check_temperature(value: float, param: str) -> float:
     return value
 
 
-def check_modalities(value: list[str], param: str) -> None:
+def check_modalities(value: list[str], param: str, has_tts: bool) -> tuple[str, ...]:
+    """``output_modalities``: ``["text"]``, or ``["audio"]`` (speech from the tts pool, with
+    its transcript) when the deployment has one (``--pools ...,t:1``)."""
+    if value == ["audio"] or value == ["audio", "text"] or value == ["text", "audio"]:
+        if not has_tts:
+            raise ClientError("output_modalities ['audio'] needs a text-to-speech pool, and this server has none "
+                              "(start it with e.g. --pools e:1,p:1,d:1,t:1); use ['text'], whose TTS-ready "
+                              "phrases come as response.output_text.segment", param, "unsupported_modality")
+        return ("audio",)
     if value != ["text"]:
-        raise ClientError(f"output_modalities {value} is not supported: epd answers in text "
-                          f"(['text']); TTS-ready phrases come as response.output_text.segment", param,
+        raise ClientError(f"output_modalities {value} is not supported; use ['text'] or ['audio']", param,
                           "unsupported_modality")
+    return ("text",)
 
 
-def input_rate(fmt: _Format, current: int, buffered: bool) -> int:
-    """The sample rate of ``session.audio.input.format`` (PCM16 only, ``MIN_RATE`` to
-    ``MAX_RATE``); it may change only while the input audio buffer is empty."""
-    if fmt.type != "audio/pcm":
-        raise ClientError(f"input audio format {fmt.type!r} is not supported; use "
-                          f"{{'type': 'audio/pcm', 'rate': {DEFAULT_RATE}}} (PCM16 little-endian mono)",
-                          "session.audio.input.format.type", "invalid_audio_format")
+def check_voice(value: str | dict, param: str) -> str:
+    """A voice of ``VOICES`` (a ``{"id": ...}`` object names one too)."""
+    name = value.get("id") if isinstance(value, dict) else value
+    if name not in VOICES:
+        raise ClientError(f"voice {name!r} is not one of epd's voices: {', '.join(VOICES)}", param,
+                          "invalid_voice")
+    return name
+
+
+def audio_format(fmt: _Format, param: str, output: bool) -> AudioFormat:
+    """``audio.input.format`` / ``audio.output.format``: ``audio/pcm`` (PCM16 little-endian
+    mono; input at ``MIN_RATE`` to ``MAX_RATE`` Hz, default 24000; output at ``OUTPUT_RATE``),
+    ``audio/pcmu`` or ``audio/pcma`` (G.711 at 8 kHz)."""
+    if fmt.type not in FORMATS:
+        raise ClientError(f"audio format {fmt.type!r} is not supported; use {{'type': 'audio/pcm', 'rate': "
+                          f"{DEFAULT_RATE}}} (PCM16 little-endian mono), or audio/pcmu / audio/pcma (G.711, "
+                          f"8 kHz)", f"{param}.type", "invalid_audio_format")
+    if fmt.type != PCM:
+        if fmt.rate not in (None, G711_RATE):
+            raise ClientError(f"{fmt.type} is 8000 Hz, got rate {fmt.rate}", f"{param}.rate", "invalid_audio_format")
+        return AudioFormat(fmt.type, G711_RATE)
+    if output:
+        if fmt.rate not in (None, OUTPUT_RATE):
+            raise ClientError(f"output audio/pcm is {OUTPUT_RATE} Hz, got rate {fmt.rate}", f"{param}.rate",
+                              "invalid_audio_format")
+        return AudioFormat(PCM, OUTPUT_RATE)
     rate = DEFAULT_RATE if fmt.rate is None else fmt.rate
     if not MIN_RATE <= rate <= MAX_RATE:
         raise ClientError(f"input audio rate {rate} Hz is not supported; use {MIN_RATE}..{MAX_RATE} Hz",
-                          "session.audio.input.format.rate", "invalid_audio_format")
-    if rate != current and buffered:
-        raise ClientError("the input audio buffer holds audio at the old rate: commit or clear it "
-                          "before changing the rate", "session.audio.input.format.rate")
-    return rate
+                          f"{param}.rate", "invalid_audio_format")
+    return AudioFormat(PCM, rate)
+
+
+def input_format(fmt: _Format, current: AudioFormat, buffered: bool) -> AudioFormat:
+    """``session.audio.input.format``; it may change only while the input audio buffer is empty."""
+    new = audio_format(fmt, "session.audio.input.format", output=False)
+    if new != current and buffered:
+        raise ClientError("the input audio buffer holds audio in the old format: commit or clear it "
+                          "before changing the format", "session.audio.input.format")
+    return new
 
 
 def parse_item(it: ItemIn, param: str, rate: int) -> Item:
     """A client's ``message`` item (``param``: where it stands in the event); its
     ``input_audio`` parts are PCM16 at the session ``rate``."""
+    if it.type in ("function_call", "function_call_output"):
+        return _parse_call_item(it, param)
     if it.type != "message":
-        raise ClientError(f"item type {it.type!r} is not supported; use 'message'", f"{param}.type",
-                          "unsupported_item_type")
+        raise ClientError(f"item type {it.type!r} is not supported; use 'message', 'function_call' or "
+                          f"'function_call_output'", f"{param}.type", "unsupported_item_type")
     allowed = {"user": ("input_text", "input_audio"), "system": ("input_text",),
-               "assistant": ("output_text", "text")}
+               "assistant": ("output_text", "text", "output_audio")}
     if it.role not in allowed:
         raise ClientError(f"item role {it.role!r} is not supported; use user, assistant or system",
                           f"{param}.role")
@@ -332,8 +426,37 @@ def parse_item(it: ItemIn, param: str, rate: int) -> Item:
             if len(data) / 2 / rate * 1000 < MIN_COMMIT_MS:
                 raise ClientError(f"input_audio needs at least {MIN_COMMIT_MS} ms of audio", f"{p}.audio")
             parts.append(Part("input_audio", pcm=pcm_array(data), rate=rate))
+        elif c.type == "output_audio":  # an assistant's spoken answer: its transcript is what the model said
+            if c.transcript is None:
+                raise ClientError("an output_audio part needs its transcript", f"{p}.transcript")
+            parts.append(Part("output_audio", text=c.transcript))
         else:
             if c.text is None:
                 raise ClientError(f"a {c.type} part needs text", f"{p}.text")
             parts.append(Part("output_text" if it.role == "assistant" else "input_text", text=c.text))
     return Item(it.id or new_id("item"), it.role, parts)
+
+
+MAX_CALL_ID_CHARS = 256
+
+
+def _parse_call_item(it: ItemIn, param: str) -> Item:
+    """A ``function_call`` (an assistant's earlier call: ``call_id``, ``name``, ``arguments``
+    JSON text) or ``function_call_output`` (the result for ``call_id``: ``output`` text)."""
+    if not it.call_id or len(it.call_id) > MAX_CALL_ID_CHARS:
+        raise ClientError(f"a {it.type} item needs a call_id (1..{MAX_CALL_ID_CHARS} characters)",
+                          f"{param}.call_id")
+    if it.type == "function_call_output":
+        if it.output is None:
+            raise ClientError("a function_call_output item needs output (text; it may be empty)", f"{param}.output")
+        return Item(it.id or new_id("item"), "tool", [], type=it.type, call_id=it.call_id, output=it.output)
+    if not it.name:
+        raise ClientError("a function_call item needs the function's name", f"{param}.name")
+    import json
+
+    try:
+        json.loads(it.arguments or "{}")
+    except (json.JSONDecodeError, RecursionError):
+        raise ClientError("a function_call item's arguments must be JSON text", f"{param}.arguments") from None
+    return Item(it.id or new_id("item"), "assistant", [], type=it.type, call_id=it.call_id, name=it.name,
+                arguments=it.arguments or "{}")

@@ -6,18 +6,25 @@ The protocol is described in ``epd.api.realtime``."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import uuid
 
 from epd.api.chat_prompt import LiteralText, flatten, template_takes_parts
 from epd.api.cpu_pool import CpuPool, shared_pool
+from epd.api.constraints import ConstraintChecker
+from epd.api.protocol import BadRequest
 from epd.api.realtime_events import ClientError, Item, Part, ResponseState, new_id
+from epd.api.realtime_tools import CallStream
 from epd.api.segmenter import PhraseSegmenter
 from epd.api.streaming import RequestTimer
+from epd.api.tool_parsers import PARSERS, detect_parser
+from epd.api.tools import ToolPlan, apply_template, parse_arguments, template_renders_tools
 from epd.detokenizer import IncrementalDetokenizer
 from epd.encoders.media import MediaError
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor, ProcessedPrompt
 from epd.errors import CapacityError, InvalidRequestError
+from epd.router.pipeline import TTS_SAMPLE_RATE
 from epd.router.router import RequestError, RouterRequest
 from epd.sampling_params import SamplingParams
 
@@ -32,27 +39,56 @@ class ConversationPrompt:
     """Renders conversation items through the model's chat template into a router request.
 
     ``cpu``: the pool the render, tokenization and audio features run in, off the event
-    loop (default: the process's, ``shared_pool``).
+    loop (default: the process's, ``shared_pool``); ``tool_parser``: the format the model
+    writes tool calls in (``epd.api.tool_parsers.PARSERS``; None: detected from the chat
+    template); ``vocab_size``: the model's logits width, for the grammar engine that
+    checks tools (default: the tokenizer's length).
     """
 
     def __init__(self, tokenizer, processor: MultiModalProcessor, max_model_len: int,
-                 cpu: CpuPool | None = None) -> None:
+                 cpu: CpuPool | None = None, tool_parser: str | None = None,
+                 vocab_size: int | None = None) -> None:
         self.tokenizer, self.processor, self.max_model_len = tokenizer, processor, max_model_len
         self.cpu = cpu or shared_pool()
+        self.tool_parser = PARSERS[tool_parser or detect_parser(getattr(tokenizer, "chat_template", None))]
+        self.native_tools = template_renders_tools(tokenizer)
+        self.vocab_size = vocab_size
+        self._constraints: ConstraintChecker | None = None
         self.embed_audio = processor.modalities.get("audio") == "embed"
         self.audio_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["audio"])
                           if self.embed_audio else AUDIO_PLACEHOLDER)
         self.structured = template_takes_parts(tokenizer, None, self.audio_tok if self.embed_audio else None)
         self.literal = LiteralText(tokenizer, processor.placeholder_ids)  # typed placeholders stay text
 
+    @property
+    def constraints(self) -> ConstraintChecker:
+        """The grammar engine's checker of tools and forced calls (built on first use)."""
+        if self._constraints is None:
+            self._constraints = ConstraintChecker(self.tokenizer, self.vocab_size or len(self.tokenizer))
+        return self._constraints
+
     async def messages(self, items: list[Item], instructions: str | None) -> tuple[list[dict], list[_Turn]]:
         """The system message of ``instructions`` (none without), and per item its chat
         message (None: an answer cancelled before its first word) and audio clips, in
-        order; transcripts awaited."""
+        order; transcripts awaited. A ``function_call`` joins the assistant message
+        before it as a ``tool_calls`` entry (or makes one); a ``function_call_output`` is a
+        ``tool`` message."""
         escape = self.literal.escape
         head: list[dict] = [{"role": "system", "content": escape(instructions)}] if instructions else []
         turns: list[_Turn] = []
         for it in items:
+            if it.type == "function_call":
+                call = {"id": it.call_id, "type": "function",
+                        "function": {"name": it.name, "arguments": parse_arguments(it.arguments or "{}")}}
+                prev = turns[-1][0] if turns else None
+                if prev is not None and prev["role"] == "assistant":
+                    prev.setdefault("tool_calls", []).append(call)
+                else:
+                    turns.append(({"role": "assistant", "content": "", "tool_calls": [call]}, []))
+                continue
+            if it.type == "function_call_output":
+                turns.append(({"role": "tool", "tool_call_id": it.call_id, "content": escape(it.output or "")}, []))
+                continue
             parts, audios = [], []
             for p in it.parts:
                 if p.type != "input_audio":
@@ -81,21 +117,29 @@ class ConversationPrompt:
             CapacityError: the CPU pool is full.
         """
         head, turns = await self.messages(list(resp.items), resp.instructions)
-        processed = await self.cpu.run(self._fit, head, turns, resp.max_output_tokens)
+        plan: ToolPlan | None = resp.tools
+        processed = await self.cpu.run(self._fit, head, turns, resp.max_output_tokens, plan)
+        constraint = None
+        if plan is not None:
+            try:
+                constraint = await self.cpu.run(plan.constraint, self.constraints.checked)
+            except BadRequest as e:
+                raise ClientError(str(e), e.param) from None
         n = len(processed.prompt_token_ids)
         max_tokens = self.max_model_len - n if resp.max_output_tokens == "inf" else resp.max_output_tokens
-        sp = SamplingParams(temperature=resp.temperature, max_tokens=max_tokens)
+        sp = SamplingParams(temperature=resp.temperature, max_tokens=max_tokens, structured_outputs=constraint)
         req = RouterRequest(f"{resp.id}-{uuid.uuid4().hex[:6]}", processed.prompt_token_ids,
                             sp, processed.items, processed.placeholders)
         audio_tokens = sum(p.length for p, it in zip(processed.placeholders, processed.items)
                            if it.modality == "audio")
         return req, audio_tokens
 
-    def _render(self, head: list[dict], turns: list[_Turn], k: int) -> list[int]:
-        """Token ids of the chat template over ``head`` and the messages of ``turns[k:]``."""
+    def _render(self, head: list[dict], turns: list[_Turn], k: int, plan: ToolPlan | None = None) -> list[int]:
+        """Token ids of the chat template over ``head``, the messages of ``turns[k:]`` and
+        the tools of ``plan``."""
         msgs = head + [m for m, _ in turns[k:] if m is not None]
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            text = apply_template(self.tokenizer, msgs, plan, self.native_tools, self.tool_parser)
         except Exception as e:  # jinja raises for conversations the template rejects
             raise ClientError(f"the model's chat template rejected the conversation: {e}") from None
         return self.literal.encode(text)
@@ -105,7 +149,8 @@ class ConversationPrompt:
         audios = [a for _, clips in turns[k:] for a in clips]
         return self.processor.process(ids, {"audio": audios} if audios else None)
 
-    def _fit(self, head: list[dict], turns: list[_Turn], max_output_tokens: int | str) -> ProcessedPrompt:
+    def _fit(self, head: list[dict], turns: list[_Turn], max_output_tokens: int | str,
+             plan: ToolPlan | None = None) -> ProcessedPrompt:
         """The prompt of the newest turns, as many as leave ``max_output_tokens`` (at least
         one token) of ``max_model_len``; runs in the CPU pool.
 
@@ -118,7 +163,7 @@ class ConversationPrompt:
             ClientError: the template rejects the messages, or the newest turn alone is too long.
         """
         limit = self.max_model_len - (1 if max_output_tokens == "inf" else max_output_tokens)
-        full = self._process(self._render(head, turns, 0), turns, 0)
+        full = self._process(self._render(head, turns, 0, plan), turns, 0)
         n = len(full.prompt_token_ids)
         if n <= limit:
             return full
@@ -130,7 +175,7 @@ class ConversationPrompt:
         ids: dict[int, list[int]] = {}
 
         def size(k: int) -> int:
-            ids[k] = self._render(head, turns, k)
+            ids[k] = self._render(head, turns, k, plan)
             return len(ids[k]) + extra[k]
 
         lo, hi = 0, len(turns) - 1  # turns[lo:] is too long; turns[hi:] is the last candidate
@@ -159,34 +204,110 @@ def _failure(e: Exception) -> dict:
                                         else "server_error", "code": code, "message": str(e)}}
 
 
+class SpeechOut:
+    """An audio response's speech: its phrases, in order, through the tts pool
+    (``Router.synthesize``), each chunk sent as ``response.output_audio.delta`` in the
+    response's format as it comes; ``part.marks`` records (audio ms, transcript chars)
+    at each phrase's end. Runs as one task beside the response's token stream, so the
+    first phrase is spoken while the rest of the answer decodes."""
+
+    def __init__(self, stream: ResponseStream) -> None:
+        self.stream, self.resp = stream, stream.resp
+        self.phrases: asyncio.Queue[tuple[str, int] | None] = asyncio.Queue()
+        self.audio_ms = 0.0
+        self.speaking: int | None = None  # chars_end of the phrase being spoken
+        self.first_audio_at: float | None = None  # loop time of the first audio delta
+        self.task = asyncio.create_task(self._run())
+
+    def say(self, text: str, chars_end: int) -> None:
+        """Speak ``text``, the phrase whose end is at transcript character ``chars_end``."""
+        if text.strip():
+            self.phrases.put_nowait((text, chars_end))
+        else:
+            self.phrases.put_nowait(("", chars_end))
+
+    async def finish(self) -> None:
+        """Wait until every phrase is spoken. Raises the synthesis failure, if one happened."""
+        self.phrases.put_nowait(None)
+        await self.task
+
+    async def cancel(self) -> None:
+        """Stop speaking (barge-in); the transcript keeps what was spoken, the phrase cut
+        off included (its mark is where its audio stopped)."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        part = self.resp.item.parts[0]
+        if self.speaking is not None and self.audio_ms > part.audio_ms:
+            part.marks.append((self.audio_ms, self.speaking))
+        part.text = (part.text or "")[:part.marks[-1][1] if part.marks else 0]
+
+    async def _run(self) -> None:
+        resp, part = self.resp, self.resp.item.parts[0]
+        fmt, api, ids = resp.audio_format, self.stream.api, self.stream.ids
+        for k in itertools.count():
+            phrase = await self.phrases.get()
+            if phrase is None:
+                return
+            text, chars_end = phrase
+            self.speaking = chars_end
+            if text:
+                async for pcm in api.router.synthesize(f"{resp.id}-tts{k}", text, resp.voice):
+                    data = fmt.encode(pcm, TTS_SAMPLE_RATE)
+                    self.audio_ms += fmt.duration_ms(len(data))
+                    if self.first_audio_at is None:
+                        self.first_audio_at = asyncio.get_running_loop().time()
+                    self.stream.session.emit("response.output_audio.delta", **ids, output_index=self.stream.msg_index,
+                                             content_index=0,
+                                             delta=base64.b64encode(data).decode())
+            part.marks.append((self.audio_ms, chars_end))
+            self.speaking = None
+
+
 class ResponseStream:
     """The response task of a ``RealtimeSession``: prompt -> router -> deltas and
-    segments -> done. Cancellation (barge-in) lands here and ends as status ``cancelled``.
+    segments (and, for an audio response, speech: ``SpeechOut``) -> done. Cancellation
+    (barge-in) lands here and ends as status ``cancelled``.
 
     ``session`` gives ``api`` (router, tokenizer, prompt, metrics), ``emit``,
-    ``insert``, ``conversation_id`` and ``active`` (cleared when this response ends).
+    ``insert``, ``conversation_id``, ``input_ms``, ``active`` (cleared when this response
+    ends) and ``response_finished`` (told then).
     """
 
     def __init__(self, session, resp: ResponseState) -> None:
         self.session, self.resp, self.api = session, resp, session.api
         self.segmenter = PhraseSegmenter()
         self.n_segments = 0
+        self.chars = 0  # transcript characters segmented so far
         self.ids = {"response_id": resp.id}
+        self.audio = "audio" in resp.modalities
+        self.speech: SpeechOut | None = None
+        plan = resp.tools
+        self.calls = CallStream(plan, self) if plan is not None and plan.parses else None
+        self.msg_index = 0  # the message's output_index
 
     def _segment(self, seg) -> None:
-        self.session.emit("response.output_text.segment", **self.ids, output_index=0, content_index=0,
+        self.session.emit("response.output_text.segment", **self.ids, output_index=self.msg_index, content_index=0,
                           segment_index=self.n_segments, text=seg.text, reason=seg.reason)
         self.n_segments += 1
+        self.chars += len(seg.text)
+        if self.speech is not None and seg.reason != "cancelled":
+            self.speech.say(seg.text, self.chars)
 
     async def run(self) -> None:
         s, resp = self.session, self.resp
         timer = RequestTimer(self.api.metrics)
+        started_ms = s.input_ms
         try:
             try:
                 req, audio_tokens = await self.api.prompt.build_request(resp)
                 detok = IncrementalDetokenizer(self.api.tokenizer, req.prompt_token_ids)
                 self._open(len(req.prompt_token_ids), audio_tokens)
                 reason = await self._generate(req, detok, timer)
+                if self.speech is not None:
+                    last = self.segmenter.flush("end")
+                    if last is not None:
+                        self._segment(last)
+                    await self.speech.finish()
                 timer.finished = True
                 if reason == "length":
                     resp.status, resp.status_details = "incomplete", {"type": "incomplete",
@@ -194,9 +315,17 @@ class ResponseStream:
                 else:
                     resp.status, resp.status_details = "completed", {"type": "completed"}
             except asyncio.CancelledError:
+                if self.speech is not None:
+                    await self.speech.cancel()
+                if self.calls is not None:
+                    self.calls.cancel()
                 resp.status = "cancelled"
                 resp.status_details = {"type": "cancelled", "reason": resp.cancel_reason or "client_cancelled"}
             except (ClientError, CapacityError, InvalidRequestError, MediaError, RequestError) as e:
+                if self.speech is not None:
+                    await self.speech.cancel()
+                if self.calls is not None:
+                    self.calls.cancel()
                 timer.finished = True
                 resp.status, resp.status_details = "failed", _failure(e)
             finally:
@@ -205,22 +334,35 @@ class ResponseStream:
         finally:
             if s.active is resp:
                 s.active = None
+                s.response_finished(resp, started_ms, self.speech.audio_ms if self.speech is not None else 0.0)
 
     def _open(self, prompt_tokens: int, audio_tokens: int) -> None:
-        """Usage so far, the assistant item, and the events that open the output."""
+        """Usage so far and, unless the output may be a tool call (then the message opens
+        at its first word), the assistant message."""
+        self.resp.usage = {"total_tokens": prompt_tokens, "input_tokens": prompt_tokens, "output_tokens": 0,
+                           "input_token_details": {"cached_tokens": 0, "audio_tokens": audio_tokens,
+                                                   "text_tokens": prompt_tokens - audio_tokens, "image_tokens": 0},
+                           "output_token_details": {"text_tokens": 0, "audio_tokens": 0}}
+        if self.calls is None:
+            self._open_message()
+
+    def _open_message(self) -> None:
+        """The assistant message item, and the events that open it."""
         s, resp = self.session, self.resp
-        resp.usage = {"total_tokens": prompt_tokens, "input_tokens": prompt_tokens, "output_tokens": 0,
-                      "input_token_details": {"cached_tokens": 0, "audio_tokens": audio_tokens,
-                                              "text_tokens": prompt_tokens - audio_tokens, "image_tokens": 0},
-                      "output_token_details": {"text_tokens": 0, "audio_tokens": 0}}
-        resp.item = Item(new_id("item"), "assistant", [Part("output_text", text="")], "in_progress")
+        resp.item = Item(new_id("item"), "assistant", [Part("output_audio" if self.audio else "output_text",
+                                                             text="")], "in_progress")
+        self.msg_index = len(resp.outputs)
+        resp.outputs.append(resp.item)
         self.ids["item_id"] = resp.item.id
         if resp.in_conversation:
             prev = s.insert(resp.item, None)
             s.emit_item_added(resp.item, prev)
-        s.emit("response.output_item.added", response_id=resp.id, output_index=0, item=resp.item.to_json())
-        s.emit("response.content_part.added", **self.ids, output_index=0, content_index=0,
-               part={"type": "text", "text": ""})
+        s.emit("response.output_item.added", response_id=resp.id, output_index=self.msg_index,
+               item=resp.item.to_json())
+        s.emit("response.content_part.added", **self.ids, output_index=self.msg_index, content_index=0,
+               part={"type": "audio", "transcript": ""} if self.audio else {"type": "text", "text": ""})
+        if self.audio:
+            self.speech = SpeechOut(self)
 
     async def _generate(self, req: RouterRequest, detok: IncrementalDetokenizer, timer: RequestTimer) -> str | None:
         """Stream the router's tokens as deltas and segments; the finish reason."""
@@ -235,14 +377,21 @@ class ResponseStream:
                 done = ev.finished
                 detok.update(ev.token_ids)
                 delta = detok.get_next_output_text(done, delta=True)
+                if self.calls is not None and (delta or done):
+                    delta = self.calls.feed(delta, done)  # what is not a tool call
                 if delta:
+                    if resp.item is None:
+                        self._open_message()
                     resp.text.append(delta)
                     resp.item.parts[0].text = "".join(resp.text)
-                    self.session.emit("response.output_text.delta", **self.ids, output_index=0, content_index=0,
-                                      delta=delta)
+                    self.session.emit("response.output_audio_transcript.delta" if self.audio else
+                                      "response.output_text.delta", **self.ids, output_index=self.msg_index,
+                                      content_index=0, delta=delta)
                     for seg in self.segmenter.feed(delta):
                         self._segment(seg)
                 if done:
+                    if not resp.outputs:  # no word and no call: an empty message
+                        self._open_message()
                     return ev.finish_reason
         finally:
             await gen.aclose()
@@ -255,12 +404,19 @@ class ResponseStream:
             last = self.segmenter.flush("cancelled" if resp.status == "cancelled" else "end")
             if last is not None:
                 self._segment(last)
-            text = "".join(resp.text)
+            text = resp.item.parts[0].text if self.audio else "".join(resp.text)
             resp.item.status = "completed" if resp.status == "completed" else "incomplete"
-            s.emit("response.output_text.done", **self.ids, output_index=0, content_index=0, text=text)
-            s.emit("response.content_part.done", **self.ids, output_index=0, content_index=0,
-                   part={"type": "text", "text": text})
-            s.emit("response.output_item.done", response_id=resp.id, output_index=0, item=resp.item.to_json())
+            if self.audio:
+                s.emit("response.output_audio.done", **self.ids, output_index=self.msg_index, content_index=0)
+                s.emit("response.output_audio_transcript.done", **self.ids, output_index=self.msg_index, content_index=0,
+                       transcript=text)
+                s.emit("response.content_part.done", **self.ids, output_index=self.msg_index, content_index=0,
+                       part={"type": "audio", "transcript": text})
+            else:
+                s.emit("response.output_text.done", **self.ids, output_index=self.msg_index, content_index=0, text=text)
+                s.emit("response.content_part.done", **self.ids, output_index=self.msg_index, content_index=0,
+                       part={"type": "text", "text": text})
+            s.emit("response.output_item.done", response_id=resp.id, output_index=self.msg_index, item=resp.item.to_json())
             if resp.in_conversation:
                 s.emit("conversation.item.done", item=resp.item.to_json())
         if resp.usage is not None:

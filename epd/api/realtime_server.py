@@ -42,11 +42,15 @@ class RealtimeAPI:
             (default: ``ApiSettings()``).
         state: the requests in flight, shared with the HTTP routes (default: a new one).
         metrics: ``epd.metrics.Metrics`` for TTFT / ITL / cancelled counts (or None).
+        vocab_size: the model's logits width, for the grammar engine that checks tools
+            and forces calls (default: the tokenizer's length); the tool-call format is
+            ``settings.tool_call_parser`` (None: detected from the chat template).
     """
 
     def __init__(self, router: Router, tokenizer, processor: MultiModalProcessor, *, model_name: str,
                  max_model_len: int, default_max_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
-                 settings: ApiSettings | None = None, state: ApiState | None = None, metrics=None) -> None:
+                 settings: ApiSettings | None = None, state: ApiState | None = None, metrics=None,
+                 vocab_size: int | None = None) -> None:
         settings = settings or ApiSettings()
         self.router, self.tokenizer, self.processor = router, tokenizer, processor
         self.model_name, self.max_model_len = model_name, max_model_len
@@ -55,7 +59,8 @@ class RealtimeAPI:
         self.api_key, self.metrics = settings.api_key, metrics
         self.max_sessions, self.allowed_origins = settings.max_realtime_sessions, settings.allowed_origins
         self.max_pending_requests, self.state = settings.max_pending_requests, state or ApiState()
-        self.prompt = ConversationPrompt(tokenizer, processor, max_model_len)
+        self.prompt = ConversationPrompt(tokenizer, processor, max_model_len, tool_parser=settings.tool_call_parser,
+                                         vocab_size=vocab_size)
         self.sessions: set[RealtimeSession] = set()
 
     @staticmethod
@@ -101,9 +106,10 @@ class RealtimeAPI:
 def mount_realtime(app: FastAPI, router: Router, tokenizer, processor: MultiModalProcessor, *, model_name: str,
                    max_model_len: int, default_max_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS,
                    settings: ApiSettings | None = None, state: ApiState | None = None,
-                   metrics=None) -> RealtimeAPI:
+                   metrics=None, vocab_size: int | None = None) -> RealtimeAPI:
     """Add the ``/v1/realtime`` WebSocket to ``app`` (arguments: see ``RealtimeAPI``)."""
     api = RealtimeAPI(router, tokenizer, processor, model_name=model_name, max_model_len=max_model_len,
-                      default_max_tokens=default_max_tokens, settings=settings, state=state, metrics=metrics)
+                      default_max_tokens=default_max_tokens, settings=settings, state=state, metrics=metrics,
+                      vocab_size=vocab_size)
     app.add_api_websocket_route("/v1/realtime", api.serve)
     return api

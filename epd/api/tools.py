@@ -75,7 +75,7 @@ class ToolPlan:
 
 
 def tool_plan(body: ChatRequest, parser_name: str, check) -> ToolPlan | None:
-    """The request's ``ToolPlan``, or None when it has no tools; each function's
+    """The chat request's ``ToolPlan``, or None when it has no tools; each function's
     parameters pass ``check`` (``ConstraintChecker.checked``).
 
     Raises:
@@ -83,25 +83,58 @@ def tool_plan(body: ChatRequest, parser_name: str, check) -> ToolPlan | None:
             name, or parameters that are not a JSON schema the grammar engine takes.
     """
     choice = body.tool_choice
-    name = choice if isinstance(choice, str) or choice is None else choice.function.name
-    if not body.tools:
-        if name not in (None, "none", "auto"):
-            raise BadRequest("tool_choice needs tools", "tool_choice")
+    named = None if isinstance(choice, str) or choice is None else choice.function.name
+    return plan_tools(list(body.tools or []), named or choice, named is not None, body.parallel_tool_calls is not False,
+                      parser_name, check)
+
+
+def plan_tools(tools: list[Tool], choice: str | None, named: bool, parallel: bool, parser_name: str, check, *,
+               param: str = "tools", choice_param: str = "tool_choice",
+               parameters_param: str = "tools.{i}.function.parameters") -> ToolPlan | None:
+    """The ``ToolPlan`` of ``tools`` and ``choice`` (``"auto"``, ``"none"``, ``"required"``,
+    None: auto; or, with ``named``, the function that must be called), or None without
+    tools. The chat API's ``tool_plan`` and the realtime session's tools both come here;
+    ``param`` / ``choice_param`` / ``parameters_param`` name the fields in errors.
+
+    Raises:
+        BadRequest: as ``tool_plan``.
+    """
+    if not tools:
+        if choice not in (None, "none", "auto") or named:
+            raise BadRequest("tool_choice needs tools", choice_param)
         return None
-    names = [t.function.name for t in body.tools]
+    names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
-        raise BadRequest("two tools have the same function name", "tools")
-    for i, t in enumerate(body.tools):
+        raise BadRequest("two tools have the same function name", param)
+    for i, t in enumerate(tools):
         params = t.function.parameters
         if params is not None:
-            param = f"tools.{i}.function.parameters"
+            where = parameters_param.format(i=i)
             if params.get("type", "object") != "object":
-                raise BadRequest("a function's parameters must be a JSON schema of type object", param)
-            check(StructuredOutputs(json=json.dumps(params, sort_keys=True)), param)
-    if not isinstance(choice, str) and choice is not None and name not in names:
-        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})",
-                         "tool_choice")
-    return ToolPlan(list(body.tools), name or "auto", body.parallel_tool_calls is not False, PARSERS[parser_name])
+                raise BadRequest("a function's parameters must be a JSON schema of type object", where)
+            check(StructuredOutputs(json=json.dumps(params, sort_keys=True)), where)
+    if named and choice not in names:
+        raise BadRequest(f"tool_choice names {choice!r}, which is not among the tools ({', '.join(names)})",
+                         choice_param)
+    return ToolPlan(list(tools), choice or "auto", parallel, PARSERS[parser_name])
+
+
+def apply_template(tokenizer, msgs: list[dict], plan: ToolPlan | None, native_tools: bool,
+                   parser: type[ToolCallParser]) -> str:
+    """The chat template's text over ``msgs`` (with the generation prompt) and the tools of
+    ``plan``: passed as ``tools=`` to a template that shows them (``native_tools``), else
+    described by ``fallback_messages``, as are earlier calls and results.
+
+    Raises:
+        whatever the template raises (jinja errors for conversations it rejects).
+    """
+    kw = {}
+    if native_tools:
+        if plan is not None:
+            kw["tools"] = plan.template_tools()
+    elif plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
+        msgs = fallback_messages(msgs, plan, parser)
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
 
 
 def template_renders_tools(tokenizer) -> bool:
@@ -120,7 +153,7 @@ def template_message(m, content) -> dict:
     msg = {"role": m.role, "content": content}
     if m.tool_calls:
         msg["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                              "function": {"name": c.function.name, "arguments": parse_arguments(c.function.arguments)}}
                              for c in m.tool_calls]
     if m.tool_call_id is not None:
         msg["tool_call_id"] = m.tool_call_id
@@ -129,7 +162,9 @@ def template_message(m, content) -> dict:
     return msg
 
 
-def _arguments(text: str):
+def parse_arguments(text: str):
+    """A call's ``arguments`` JSON text as the object templates write with ``tojson`` (the
+    text itself when it is not a JSON object)."""
     try:
         value = json.loads(text)
     except ValueError:

@@ -1,4 +1,4 @@
-"""Worker processes of the E, P, D and aggregated pools (``epd worker --role ...``)."""
+"""Worker processes of the E, P, D, aggregated and text-to-speech pools (``epd worker --role ...``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def run_worker(args: WorkerArgs) -> int:
         from epd.workers.decode_worker import DecodeWorker as cls
     elif args.role == Role.PD:
         from epd.workers.aggregated_worker import AggregatedWorker as cls
+    elif args.role == Role.TTS:
+        from epd.workers.tts_worker import TTSWorker as cls
     else:
         raise ValueError(f"unknown worker role {args.role!r}; expected one of {ROLES}")
     return cls(args).run()

@@ -209,7 +209,7 @@ def test_a_full_cpu_pool_is_a_503_for_chat_and_a_failed_realtime_response(monkey
 
         tok = build_tiny_tokenizer()
         api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=8, tokenizer=tok, metrics=None,
-                              processor=text_processor(), state=ApiState(), max_pending_requests=4,
+                              router=SimpleNamespace(has_pool=lambda role: False), processor=text_processor(), state=ApiState(), max_pending_requests=4,
                               prompt=ConversationPrompt(tok, text_processor(), 64))
         session = RealtimeSession(ws=None, api=api)
 
@@ -265,6 +265,9 @@ def test_realtime_transcription_decodes_audio_off_the_event_loop():
     probe = LoopProbe(lambda a: MediaItem("audio", "h" * 64, {"audio": a[0] / 32768.0}, 0))
 
     class Router:
+        def has_pool(self, role):  # no tts pool: sessions answer in text
+            return False
+
         async def transcribe(self, rid, items):
             return ["heard"]
 

@@ -44,6 +44,9 @@ def _setup(model_dir: str):
 class _Router:
     """Transcribes every clip as ``HEARD``."""
 
+    def has_pool(self, role):  # no tts pool: sessions answer in text
+        return False
+
     async def transcribe(self, rid, items):
         return ["HEARD"] * len(items)
 

@@ -40,6 +40,9 @@ class StubRouter:
     def __init__(self) -> None:
         self.gate = asyncio.Event()
 
+    def has_pool(self, role):  # no tts pool: sessions answer in text
+        return False
+
     async def generate(self, req):
         await self.gate.wait()
         yield TokenEvent([69], finished=True, finish_reason="stop")

@@ -14,9 +14,11 @@ from types import SimpleNamespace
 from epd.api import realtime
 from epd.api.realtime import RealtimeSession
 
+NO_TTS = SimpleNamespace(has_pool=lambda role: False)  # a router without a tts pool: sessions answer in text
+
 
 def session() -> RealtimeSession:
-    api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16,
+    api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16, router=NO_TTS,
                           processor=SimpleNamespace(modalities={"audio": "embed"}))  # embed: no transcription task
     s = RealtimeSession(ws=None, api=api)
     s.turn_detection = None  # manual commits (server VAD: tests/serving/test_realtime_vad.py)
@@ -102,7 +104,7 @@ def test_server_vad_keeps_only_the_padding_between_turns(monkeypatch):
     """With server VAD (the default) silence never fills the buffer: between turns it
     holds the prefix padding only, and no turn starts."""
     monkeypatch.setattr(realtime, "MAX_BUFFER_SECONDS", 1.0)
-    api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16,
+    api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16, router=NO_TTS,
                           processor=SimpleNamespace(modalities={"audio": "embed"}))
     s = RealtimeSession(ws=None, api=api)
     assert s.session_json()["audio"]["input"]["turn_detection"]["type"] == "server_vad"

@@ -85,6 +85,9 @@ class RecordingRouter:
     def __init__(self) -> None:
         self.ids: list[str] = []
 
+    def has_pool(self, role):  # no tts pool: sessions answer in text
+        return False
+
     async def transcribe(self, rid: str, items: list) -> list[str]:
         self.ids.append(rid)
         await asyncio.sleep(0)

@@ -144,3 +144,35 @@ def test_manual_commits_with_turn_detection_null(server):
     assert not [e for e in log if e.type.startswith("input_audio_buffer.speech")]
     assert err.error.code == "item_not_found" and err.error.event_id == "evt_missing"
     assert got.item.id == committed.item_id and got.item.role == "user"
+
+
+def test_silence_past_idle_timeout_after_an_answer_triggers_a_prompt(server):
+    """OpenAI's ``idle_timeout_ms``: silence that long after a response sends
+    ``input_audio_buffer.timeout_triggered``, commits the silence and answers it; the
+    clock is the input audio's, so the test streams 6 s of silence as fast as it can."""
+    async def go():
+        log: list = []
+        async with connect(server) as conn:
+            await until(conn, lambda e: e.type == "session.created")
+            await configure(conn, max_output_tokens=4, audio={"input": {"turn_detection": {
+                "type": "server_vad", "idle_timeout_ms": 5000}}})
+            await append_speech(conn, silence(6000), RATE)  # before any response: no timeout
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Hi"}]})
+            await conn.response.create()
+            first = await until(conn, lambda e: e.type == "response.done", log)
+            await append_speech(conn, silence(4000), RATE)
+            await append_speech(conn, silence(2000), RATE)
+            timeout = await until(conn, lambda e: e.type == "input_audio_buffer.timeout_triggered", log)
+            prompted = await until(conn, lambda e: e.type == "response.done", log)
+            return log, first, timeout, prompted
+
+    log, first, timeout, prompted = asyncio.run(go())
+    kinds = [e.type for e in log]
+    assert kinds.count("input_audio_buffer.timeout_triggered") == 1
+    assert log.index(first) < log.index(timeout)
+    assert timeout.audio_start_ms >= 6000 and timeout.audio_end_ms - timeout.audio_start_ms >= 5000
+    assert timeout.audio_end_ms <= 12000
+    committed = [e for e in log if e.type == "input_audio_buffer.committed"]
+    assert [e.item_id for e in committed] == [timeout.item_id]
+    assert prompted.response.id != first.response.id and prompted.response.status in ("completed", "incomplete")

@@ -1,0 +1,78 @@
+"""Text-to-speech engines: text in, streamed PCM16 mono at 24 kHz out.
+
+A :class:`Synthesizer` speaks one phrase at a time and yields its audio in chunks as
+the engine produces them, at the rate of OpenAI realtime's ``pcm16`` format (24000 Hz),
+whatever the engine's own rate. :func:`load_synthesizer` picks the engine; eSpeak NG
+(:mod:`epd.tts.espeak`, embedded through the ``espeakng-loader`` wheel) is the default.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+import numpy as np
+
+__all__ = ["SAMPLE_RATE", "Synthesizer", "UnknownVoiceError", "load_synthesizer"]
+
+#: Hz of every synthesizer's output (OpenAI realtime's pcm16: 24 kHz, mono, int16)
+SAMPLE_RATE = 24000
+
+ENGINES = ("espeak",)
+
+
+class UnknownVoiceError(ValueError):
+    """A voice name the synthesizer does not have; the message lists the valid names."""
+
+
+class Synthesizer(ABC):
+    """One TTS engine instance. Safe to call from several threads (an engine may serialize
+    the calls: eSpeak NG speaks one phrase at a time per process)."""
+
+    #: Hz of the chunks :meth:`synthesize` yields
+    sample_rate: int = SAMPLE_RATE
+    #: the voice names :meth:`synthesize` accepts (an engine may accept more, see its docs)
+    voices: tuple[str, ...] = ()
+
+    @abstractmethod
+    def synthesize(self, text: str, voice: str) -> Iterator[np.ndarray]:
+        """Speak ``text`` with ``voice``: an iterator of ``[samples] int16`` mono chunks at
+        :attr:`sample_rate` (24000 Hz), yielded as they are produced.
+
+        Nothing is yielded for empty or whitespace-only text. The voice and the text are
+        checked at the call, before any audio: raises :class:`UnknownVoiceError` for a voice
+        the engine lacks, ``ValueError`` for text over the engine's length cap,
+        ``RuntimeError`` once :meth:`close` was called. Closing the iterator early (``close()``,
+        or dropping it) stops the synthesis.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine; :meth:`synthesize` raises ``RuntimeError`` afterwards. Idempotent."""
+
+    def __enter__(self) -> Synthesizer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_synthesizer(spec: str = "espeak") -> Synthesizer:
+    """The synthesizer named by ``spec``: ``"espeak"`` (eSpeak NG, embedded, the default).
+
+    A path to a local directory is reserved for neural voices (Piper, Kokoro), not
+    available yet. Raises ``ValueError`` for any other spec, naming the engines that exist.
+    """
+    name = spec.strip().lower()
+    if name == "espeak":
+        from epd.tts.espeak import EspeakSynthesizer
+
+        return EspeakSynthesizer()
+    engines = ", ".join(repr(e) for e in ENGINES)
+    if os.path.isdir(os.path.expanduser(spec)):
+        raise ValueError(
+            f"TTS engine {spec!r} is a directory: neural voices (Piper, Kokoro) from a local "
+            f"directory are not supported yet; engines: {engines}"
+        )
+    raise ValueError(f"unknown TTS engine {spec!r}; engines: {engines}")
