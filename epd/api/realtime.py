@@ -363,6 +363,7 @@ class RealtimeSession:
                 new["noise_reduction"] = inp.noise_reduction  # accepted; epd does not filter input audio
         if "turn_detection" in new or "input_format" in new:
             self.vad, self.turn_item_id = None, None  # a turn in progress is forgotten; its audio stays buffered
+            self.asr.drop_early()
         for k, v in new.items():
             setattr(self, k, v)
         self.emit("session.updated", session=self.session_json())
@@ -381,6 +382,8 @@ class RealtimeSession:
         for edge, ms in await self.cpu.run(self._detect, data):
             if edge == "speech_started":
                 await self._speech_started(ms)
+            elif edge == "speech_paused":
+                self._speech_paused(ms)
             else:
                 await self._speech_stopped(ms)
         if self.vad is not None and not self.vad.in_speech:  # between turns only the padding is kept
@@ -421,8 +424,9 @@ class RealtimeSession:
         import torch
         import torchaudio.functional as F
 
-        if self.vad is None:
-            self.vad = SpeechDetector(self.turn_detection)
+        if self.vad is None:  # its clock starts where this audio starts on the session's
+            start_ms = round(self.input_ms - len(data) / 2 / self.rate * 1000)
+            self.vad = SpeechDetector(self.turn_detection, start_ms=start_ms)
         x = torch.from_numpy(pcm_array(data).astype(np.float32) / 32768.0)
         if self.rate != VAD_RATE:
             x = F.resample(x, self.rate, VAD_RATE)
@@ -444,12 +448,23 @@ class RealtimeSession:
         if self.turn_detection.interrupt_response and self.active is not None:
             await self.cancel_active("turn_detected")
 
+    def _speech_paused(self, speech_end_ms: int) -> None:
+        """A pause inside a turn: transcribe the turn so far now (text-only models), so the
+        transcript is ready, or nearly, when the silence ends the turn; speech that goes
+        on makes it stale (the next pause or the commit starts again)."""
+        self.asr.start_early(self._buffer_until(speech_end_ms), self.rate, speech_end_ms)
+
+    def _buffer_until(self, ms: float) -> bytes:
+        """The buffered input audio up to session input time ``ms``."""
+        start_ms = self.input_ms - len(self.buffer) / 2 / self.rate * 1000
+        return bytes(self.buffer[:max(0, int((ms - start_ms) * self.rate / 1000)) * 2])
+
     async def _speech_stopped(self, audio_end_ms: int) -> None:
         """A turn ends: commit it, and answer it (``create_response``) unless an answer streams."""
         item_id, self.turn_item_id = self.turn_item_id or new_id("item"), None
         self.emit("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
         try:
-            await self._commit(item_id)
+            await self._commit(item_id, early_ms=audio_end_ms)
             if self.turn_detection.create_response and self.active is None:
                 await self.on_response_create(ResponseCreate())
         except ClientError as e:  # e.g. too many requests: the turn stays in the conversation
@@ -462,9 +477,10 @@ class RealtimeSession:
         if self.vad is not None:
             self.vad.reset()
 
-    async def _commit(self, item_id: str) -> None:
+    async def _commit(self, item_id: str, early_ms: int | None = None) -> None:
         """Buffer -> user item ``item_id`` (int16 PCM kept at the session rate); barge-in if a
-        response streams; transcription starts at once for text-only models."""
+        response streams; transcription starts at once for text-only models, or goes on
+        from the turn's pause when it ended at ``early_ms`` (no speech since)."""
         ms = len(self.buffer) / 2 / self.rate * 1000
         if ms < MIN_COMMIT_MS:
             raise ClientError(f"the input audio buffer holds {ms:.0f} ms of audio; at least {MIN_COMMIT_MS} ms is "
@@ -481,11 +497,12 @@ class RealtimeSession:
             raise
         self.emit("input_audio_buffer.committed", item_id=item.id, previous_item_id=prev)
         self.emit_item_added(item, prev)
-        self.asr.start(item)
+        self.asr.start(item, early_ms)
 
     async def on_clear(self, ev: LooseEvent) -> None:
         self.buffer.clear()
         self.turn_item_id = None
+        self.asr.drop_early()
         if self.vad is not None:
             self.vad.reset()
         self.emit("input_audio_buffer.cleared")

@@ -69,22 +69,32 @@ def load_vad_model():
             torch.set_num_threads(threads)
 
 
+#: silence inside a turn after which its transcription starts early (at most silence_duration_ms)
+PAUSE_MS = 160
+
+
 class SpeechDetector:
     """One session's streaming turn detector.
 
     ``feed(pcm)`` takes the next input audio (float32 in [-1, 1], mono, at ``VAD_RATE``)
-    and returns the turn edges it completes: ``("speech_started", audio_start_ms)`` and
-    ``("speech_stopped", audio_end_ms)``. Not thread-safe: a session feeds it one chunk
-    at a time (in the API's CPU pool).
+    and returns the turn edges it completes: ``("speech_started", audio_start_ms)``,
+    ``("speech_paused", speech_end_ms)`` (once per pause: ``pause_ms`` of silence inside a
+    turn, which may yet go on; the session starts transcribing the turn so far) and
+    ``("speech_stopped", audio_end_ms)`` (after ``silence_duration_ms``; the end is the
+    same as the pause's when no speech came between). Times are ms on the session's
+    input-audio clock, which starts at ``start_ms`` for this detector. Not thread-safe: a
+    session feeds it one chunk at a time (in the API's CPU pool).
     """
 
-    def __init__(self, settings: ServerVad, model=None) -> None:
+    def __init__(self, settings: ServerVad, model=None, start_ms: int = 0) -> None:
         self.settings = settings
         self.model = model if model is not None else load_vad_model()
         self._pending = np.zeros(0, dtype=np.float32)  # less than a window, not yet scored
-        self.ms = 0  # audio scored so far
+        self.ms = start_ms  # input audio scored so far, on the session's clock
         self.in_speech = False
         self._speech_end_ms = 0  # end of the last window over the threshold
+        self._paused = False  # the pause since _speech_end_ms was reported
+        self.pause_ms = min(PAUSE_MS, settings.silence_duration_ms)
 
     def feed(self, pcm: np.ndarray) -> list[tuple[str, int]]:
         import torch
@@ -102,14 +112,17 @@ class SpeechDetector:
                     if not self.in_speech:
                         self.in_speech = True
                         events.append(("speech_started", max(0, start - s.prefix_padding_ms)))
-                    self._speech_end_ms = self.ms
+                    self._speech_end_ms, self._paused = self.ms, False
                 elif self.in_speech and self.ms - self._speech_end_ms >= s.silence_duration_ms:
                     self.in_speech = False
                     events.append(("speech_stopped", self._speech_end_ms))
+                elif self.in_speech and not self._paused and self.ms - self._speech_end_ms >= self.pause_ms:
+                    self._paused = True
+                    events.append(("speech_paused", self._speech_end_ms))
         return events
 
     def reset(self) -> None:
         """Forget the turn in progress (``input_audio_buffer.clear`` / a manual commit);
         the timeline goes on."""
         self.model.reset_states()
-        self.in_speech = False
+        self.in_speech = self._paused = False

@@ -283,7 +283,48 @@ def test_realtime_transcription_decodes_audio_off_the_event_loop():
 
     assert asyncio.run(main()) == "heard"
     assert probe.saw_loop == [True]
-    assert events == ["conversation.item.input_audio_transcription.completed"]
+    assert events == ["conversation.item.input_audio_transcription.delta",
+                      "conversation.item.input_audio_transcription.completed"]
+
+
+def test_a_turn_that_ends_at_its_pause_keeps_the_early_transcript():
+    """Server VAD's early transcription: a turn committed at the pause it was transcribed
+    from is not transcribed again; one where speech went on past the pause is, whole."""
+    clips: list[int] = []  # samples of each clip the E pool transcribed
+
+    class Router:
+        async def transcribe(self, rid, items):
+            clips.append(len(items[0].data["audio"]))
+            await asyncio.sleep(0)
+            return [f"heard {len(clips)}"]
+
+    api = SimpleNamespace(router=Router(), processor=SimpleNamespace(
+        modalities={"audio": "transcribe"}, audio_item=lambda a: MediaItem("audio", "h" * 64, {"audio": a[0]}, 0)))
+    events = []
+    asr = Transcriber(api, lambda kind, **fields: events.append((kind, fields)), CpuPool())
+
+    def turn(samples: int) -> Item:
+        return Item(f"item_{samples}", "user", [Part("input_audio", pcm=np.zeros(samples, np.int16), rate=24000)])
+
+    async def main() -> tuple[str, str]:
+        asr.start_early(bytes(2 * 4800), 24000, 200)  # the turn up to its pause at 200 ms
+        await asyncio.sleep(0.2)
+        first = turn(7200)
+        asr.start(first, early_ms=200)  # the turn ended at that pause
+        t1 = await first.parts[0].asr
+        asr.start_early(bytes(2 * 2400), 24000, 600)
+        second = turn(9600)
+        asr.start(second, early_ms=900)  # speech went on after the pause: stale
+        t2 = await second.parts[0].asr
+        return t1, t2
+
+    t1, t2 = asyncio.run(main())
+    assert clips[0] == 4800 and t1 == "heard 1"  # the early clip; the commit did not transcribe again
+    assert clips[-1] == 9600 and t2 == f"heard {len(clips)}"  # the whole clip
+    assert [(k.rsplit(".", 1)[1], f["item_id"], f.get("delta", f.get("transcript"))) for k, f in events] == [
+        ("delta", "item_7200", t1), ("completed", "item_7200", t1),
+        ("delta", "item_9600", t2), ("completed", "item_9600", t2)]
+    assert asr.early is None and not asr.tasks
 
 
 # ---- history truncation: O(log n) renders, the same prompt ----------------------------------------

@@ -62,7 +62,10 @@ def test_a_spoken_turn_is_detected_committed_and_answered(server, offline):
     added = next(e for e in log if e.type == "conversation.item.added")
     assert added.item.id == committed.item_id and added.item.role == "user"
     heard = next(e for e in log if e.type == "conversation.item.input_audio_transcription.completed")
-    assert heard.transcript == "What is the capital of France?"
+    assert heard.transcript == "What is the capital of France?"  # transcribed from the turn's pause, or whole
+    deltas = [e for e in log if e.type == "conversation.item.input_audio_transcription.delta"]
+    assert [(e.item_id, e.delta) for e in deltas] == [(committed.item_id, heard.transcript)]
+    assert log.index(deltas[0]) < log.index(heard)
     r = done.response
     assert r.status in ("completed", "incomplete") and r.output[0].role == "assistant"
     assert r.output[0].content[0].text == offline([{"role": "user", "content": heard.transcript}], 16)
