@@ -637,15 +637,16 @@ class RealtimeSession:
                     items.append(item)
         else:
             items = list(self.items)
-        if not items:
-            raise ClientError("nothing to respond to: the conversation is empty (add an item or commit audio "
-                              "first)", "response.input" if r.input is not None else None, "conversation_empty")
+        instructions = r.instructions if "instructions" in r.model_fields_set else self.instructions
+        if not items and not instructions:  # with instructions alone the model answers them (a greeting)
+            raise ClientError("nothing to respond to: the conversation is empty and there are no instructions "
+                              "(add an item, commit audio or set instructions first)",
+                              "response.input" if r.input is not None else None, "conversation_empty")
         release = self.api.state.admit(self.api.max_pending_requests)  # counted with the HTTP requests
         if release is None:
             raise ClientError(f"too many requests in flight ({self.api.max_pending_requests}); retry later", None,
                               "rate_limit_exceeded", "rate_limit_error")
         self.asr.retry_failed(items)
-        instructions = r.instructions if "instructions" in r.model_fields_set else self.instructions
         resp = ResponseState(new_id("resp"), items, instructions, max_tokens, temperature, r.metadata,
                              r.conversation != "none", modalities, voice, fmt, tools.plan)
         self.active = resp

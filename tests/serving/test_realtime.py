@@ -188,6 +188,32 @@ def test_text_only_turn_with_instructions_and_segments(server, offline):
     assert log.index(seg_events[0]) < last_delta
 
 
+def test_instructions_alone_are_answered_as_a_greeting(server, offline):
+    """pipecat's examples run the LLM on a context holding only the system prompt ("greet the
+    user"): response.create on an empty conversation answers the instructions. With no
+    instructions either, it is refused as conversation_empty."""
+    instructions = "You are a friendly assistant. Greet the user."
+
+    async def go():
+        log: list = []
+        async with connect(server) as conn:
+            await until(conn, lambda e: e.type == "session.created")
+            await conn.session.update(session={"type": "realtime", "instructions": instructions,
+                                               "max_output_tokens": 24})
+            await until(conn, lambda e: e.type == "session.updated")
+            await conn.response.create()
+            done = await until(conn, lambda e: e.type == "response.done", log)
+            await conn.response.create(response={"conversation": "none", "input": [], "instructions": ""})
+            refused = await until(conn, lambda e: e.type in ("error", "response.created"))
+            return log, done, refused
+
+    log, done, refused = asyncio.run(go())
+    assert done.response.status in ("completed", "incomplete")
+    text, _, _ = texts(log, done.response.id)
+    assert text and text == offline([{"role": "system", "content": instructions}], 24)
+    assert refused.type == "error" and refused.error.code == "conversation_empty"
+
+
 def _decode_idle(server) -> dict:
     return {k: v for k, v in server.workers().items() if k.startswith("decode")}
 
