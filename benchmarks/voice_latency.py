@@ -15,6 +15,23 @@ format), streamed in 100 ms appends paced at real time (as a microphone delivers
   can start speaking: a whole phrase);
 * ``done``: ``response.done``.
 
+``--vad`` drives the same sessions the way a voice agent (pipecat at its defaults) does:
+server VAD (the default ``turn_detection``), audio out (``output_modalities:
+["audio"]``, the launched server gets a tts pool: ``e:1,p:1,d:1,t:1``), no commit and no
+``response.create`` from the client; each question is followed by 1.5 s of silence, also
+paced. Per turn, from the end of the question's audio (the last speech chunk appended):
+
+* ``speech_stopped``: ``input_audio_buffer.speech_stopped`` (silero-vad's end of turn);
+* ``asr``: the transcription's ``.completed`` event (early transcription starts at the
+  VAD's pause, so this can come right after ``speech_stopped``);
+* ``first delta``: the first ``response.output_audio_transcript.delta``;
+* ``first audio``: the first ``response.output_audio.delta`` (the first sound out);
+* ``done``: ``response.done``.
+
+Barge-in under VAD: a long spoken answer is interrupted by speech (the question again)
+once its first audio arrives; measured: ``speech_started`` -> ``response.done``
+(cancelled), with no ``response.cancel`` from the client.
+
 Barge-in (``--cancel-trials``, one session alone): a long answer is cancelled with
 ``response.cancel`` after its 3rd delta; measured: cancel -> ``response.done``
 (status cancelled) at the client, and cancel -> every decode worker idle with all KV
@@ -24,6 +41,7 @@ worker, so this includes up to one poll's time).
     python benchmarks/voice_latency.py                        # launches epd (e:1,p:1,d:1) itself
     python benchmarks/voice_latency.py --url http://127.0.0.1:8000
     python benchmarks/voice_latency.py --quick                # smoke run: C = 1, 2; one turn
+    python benchmarks/voice_latency.py --vad                  # server VAD + speech out (e:1,p:1,d:1,t:1)
 
 Writes benchmarks/results/voice_latency.json and .png (``--out-dir``). The machine's
 load average at start and end goes into the JSON: on a shared 2-core machine, other
@@ -57,7 +75,9 @@ CHUNK_MS = 100
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="an epd server to measure (default: launch one)")
-    p.add_argument("--pools", default="e:1,p:1,d:1", help="pools of the launched server")
+    p.add_argument("--pools", help="pools of the launched server (default e:1,p:1,d:1; with --vad, "
+                                   "e:1,p:1,d:1,t:1)")
+    p.add_argument("--vad", action="store_true", help="server VAD and audio out, as a voice agent at its defaults")
     p.add_argument("--concurrency", type=int, nargs="+")
     p.add_argument("--turns", type=int, help="spoken turns per session (one conversation)")
     p.add_argument("--max-output-tokens", type=int, default=32)
@@ -72,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.turns = args.turns or 1
         args.cancel_trials = 2 if args.cancel_trials is None else args.cancel_trials
     args.concurrency = args.concurrency or [1, 4, 8]
+    args.pools = args.pools or ("e:1,p:1,d:1,t:1" if args.vad else "e:1,p:1,d:1")
     args.turns = args.turns or 2
     args.cancel_trials = 5 if args.cancel_trials is None else args.cancel_trials
     return args
@@ -172,12 +193,105 @@ async def session(client, questions: list[bytes], turns: int, start_s: float, se
     return records
 
 
+async def session_vad(client, questions: list[bytes], turns: int, start_s: float, seed: int, args) -> list[dict]:
+    """One user of a voice agent: server VAD, audio out; ``turns`` spoken questions."""
+    await asyncio.sleep(start_s)
+    records = []
+    step = RATE * 2 * CHUNK_MS // 1000
+    quiet = bytes(RATE * 2 * 1500 // 1000)
+    async with client.realtime.connect() as conn:
+        await recv_until(conn, lambda e: e.type == "session.created")
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                           "max_output_tokens": args.max_output_tokens})
+        await recv_until(conn, lambda e: e.type == "session.updated")
+        for turn in range(turns):
+            pcm = dithered(questions[turn % len(questions)], seed * 1000 + turn)
+            rec = {"turn": turn, "question": QUESTIONS[turn % len(QUESTIONS)]}
+            t0 = None
+
+            def see(ev) -> bool:
+                now = time.perf_counter() - t0 if t0 is not None else float("nan")
+                if ev.type == "input_audio_buffer.speech_stopped":
+                    rec.setdefault("speech_stopped_s", now)
+                elif ev.type == "conversation.item.input_audio_transcription.completed":
+                    rec["asr_s"] = now
+                    rec["transcript"] = ev.transcript
+                elif ev.type == "response.output_audio_transcript.delta":
+                    rec.setdefault("first_delta_s", now)
+                elif ev.type == "response.output_audio.delta":
+                    rec.setdefault("first_audio_s", now)
+                elif ev.type == "response.done":
+                    rec["done_s"] = now
+                    rec["status"] = ev.response.status
+                    rec["output_tokens"] = ev.response.usage.output_tokens
+                    return True
+                return False
+
+            async def receive():
+                await recv_until(conn, see)
+
+            receiver = asyncio.create_task(receive())
+            t_start = time.perf_counter()
+            audio = pcm + quiet
+            for i, off in enumerate(range(0, len(audio), step)):
+                if not args.no_pacing:
+                    await asyncio.sleep(max(0.0, t_start + i * CHUNK_MS / 1000 - time.perf_counter()))
+                await conn.input_audio_buffer.append(audio=base64.b64encode(audio[off:off + step]).decode())
+                if off + step >= len(pcm) and t0 is None:
+                    t0 = time.perf_counter()  # the question's last chunk is in
+            await receiver
+            records.append(rec)
+    return records
+
+
+async def measure_vad_barge_in(url: str, questions: list[bytes], trials: int, args) -> list[dict]:
+    """Barge-in under server VAD: speech over a spoken answer; speech_started -> done."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    step = RATE * 2 * CHUNK_MS // 1000
+    out = []
+    async with client.realtime.connect() as conn:
+        await recv_until(conn, lambda e: e.type == "session.created")
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                           "instructions": "You are a storyteller. Tell long stories."})
+        await recv_until(conn, lambda e: e.type == "session.updated")
+        for i in range(trials):
+            pcm = dithered(questions[0], 7000 + i)
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": f"Tell me a very long story about dragon number {i}."}]})
+            await conn.response.create(response={"max_output_tokens": 400})
+            await recv_until(conn, lambda e: e.type == "response.output_audio.delta")
+            stamps: dict = {}
+
+            def see(ev) -> bool:
+                if ev.type == "input_audio_buffer.speech_started":
+                    stamps.setdefault("started", time.perf_counter())
+                elif ev.type == "response.done" and "started" in stamps and "done" not in stamps:
+                    stamps["done"] = time.perf_counter()
+                    stamps["status"] = ev.response.status
+                elif ev.type == "response.done" and "done" in stamps:
+                    return True  # the answer to the interrupting turn
+                return False
+
+            receiver = asyncio.create_task(recv_until(conn, see))
+            audio = pcm + bytes(RATE * 2 * 1500 // 1000)
+            t_start = time.perf_counter()
+            for k, off in enumerate(range(0, len(audio), step)):
+                await asyncio.sleep(max(0.0, t_start + k * CHUNK_MS / 1000 - time.perf_counter()))
+                await conn.input_audio_buffer.append(audio=base64.b64encode(audio[off:off + step]).decode())
+            await receiver
+            out.append({"speech_started_to_done_s": stamps["done"] - stamps["started"], "status": stamps["status"]})
+    return out
+
+
 async def run_level(url: str, questions: list[bytes], concurrency: int, args, rng: random.Random) -> list[dict]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     starts = [0.0] + [rng.uniform(0, 1) for _ in range(concurrency - 1)]
-    per = await asyncio.gather(*(session(client, questions, args.turns, s, rng.getrandbits(32), args)
+    run = session_vad if args.vad else session
+    per = await asyncio.gather(*(run(client, questions, args.turns, s, rng.getrandbits(32), args)
                                  for s in starts))
     return [dict(r, session=i) for i, recs in enumerate(per) for r in recs]
 
@@ -235,14 +349,14 @@ def pct(xs: list[float], q: float) -> float:
 
 def summarize(concurrency: int, recs: list[dict]) -> dict:
     row = {"concurrency": concurrency, "turns": len(recs)}
-    for key in ("asr_s", "first_delta_s", "first_segment_s", "done_s"):
+    for key in ("speech_stopped_s", "asr_s", "first_delta_s", "first_segment_s", "first_audio_s", "done_s"):
         xs = [r[key] for r in recs if key in r]
         row[key] = {"p50": pct(xs, 50), "p90": pct(xs, 90), "mean": statistics.fmean(xs) if xs else float("nan")}
     row["completed"] = sum(r.get("status") in ("completed", "incomplete") for r in recs)
     return row
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], path: Path, title: str, vad: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,15 +365,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(2 + 1.6 * len(rows), 4))
     x = range(len(rows))
     w = 0.27
-    for k, (key, label) in enumerate([("asr_s", "transcript"), ("first_delta_s", "first delta"),
-                                      ("first_segment_s", "first segment")]):
+    series = ([("speech_stopped_s", "speech_stopped"), ("first_delta_s", "first delta"),
+               ("first_audio_s", "first audio")] if vad else
+              [("asr_s", "transcript"), ("first_delta_s", "first delta"), ("first_segment_s", "first segment")])
+    for k, (key, label) in enumerate(series):
         p50 = [r[key]["p50"] * 1000 for r in rows]
         p90 = [r[key]["p90"] * 1000 for r in rows]
         ax.bar([i + (k - 1) * w for i in x], p50, w, label=f"{label} (p50)",
                yerr=[[0] * len(rows), [b - a for a, b in zip(p50, p90)]], capsize=3)
     ax.set_xticks(list(x), [str(r["concurrency"]) for r in rows])
     ax.set_xlabel("concurrent voice sessions")
-    ax.set_ylabel("ms after end of speech (whisker: p90)")
+    ax.set_ylabel(("ms after the question's last audio" if vad else "ms after commit") + " (whisker: p90)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -293,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
             samples[str(c)] = recs
             rows.append(summarize(c, recs))
             print(f"C={c}: {rows[-1]['completed']}/{len(recs)} turns done", flush=True)
-        cancels = asyncio.run(measure_cancel(url, args.cancel_trials)) if args.cancel_trials else []
+        cancels = asyncio.run(measure_cancel(url, args.cancel_trials)) if args.cancel_trials and not args.vad else []
+        barge = asyncio.run(measure_vad_barge_in(url, questions, args.cancel_trials, args)) \
+            if args.cancel_trials and args.vad else []
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)
@@ -305,36 +423,54 @@ def main(argv: list[str] | None = None) -> int:
 
     ms = lambda s: f"{s * 1000:7.0f}"  # noqa: E731
     print()
-    print(f"{'sessions':>8} | {'turns':>5} | {'transcript p50':>14} | {'first delta p50 / p90':>21} | "
-          f"{'first segment p50 / p90':>23} | {'done p50':>8}")
-    print("-" * 96)
-    for r in rows:
-        print(f"{r['concurrency']:>8} | {r['turns']:>5} | {ms(r['asr_s']['p50']):>14} | "
-              f"{ms(r['first_delta_s']['p50'])} / {ms(r['first_delta_s']['p90']):>11} | "
-              f"{ms(r['first_segment_s']['p50'])} / {ms(r['first_segment_s']['p90']):>13} | "
-              f"{ms(r['done_s']['p50']):>8}")
-    print("(ms after input_audio_buffer.commit)")
-    if cancels:
-        done = [c["cancel_to_done_s"] for c in cancels]
-        free = [c["cancel_to_slot_free_s"] for c in cancels]
-        print(f"\nbarge-in over {len(cancels)} trials: response.cancel -> response.done(cancelled) p50 "
-              f"{pct(done, 50) * 1000:.1f} ms (max {max(done) * 1000:.1f}); -> decode slot free p50 "
-              f"{pct(free, 50) * 1000:.1f} ms (max {max(free) * 1000:.1f}); ITL (delta to delta) before the "
-              f"cancel p50 {pct([x for c in cancels for x in c['itl_before_cancel_s']], 50) * 1000:.1f} ms")
+    if args.vad:
+        print(f"{'sessions':>8} | {'turns':>5} | {'speech_stopped p50':>18} | {'transcript p50':>14} | "
+              f"{'first delta p50 / p90':>21} | {'first audio p50 / p90':>21} | {'done p50':>8}")
+        print("-" * 112)
+        for r in rows:
+            print(f"{r['concurrency']:>8} | {r['turns']:>5} | {ms(r['speech_stopped_s']['p50']):>18} | "
+                  f"{ms(r['asr_s']['p50']):>14} | {ms(r['first_delta_s']['p50'])} / "
+                  f"{ms(r['first_delta_s']['p90']):>11} | {ms(r['first_audio_s']['p50'])} / "
+                  f"{ms(r['first_audio_s']['p90']):>11} | {ms(r['done_s']['p50']):>8}")
+        print("(ms after the question's last audio chunk; server VAD, audio out)")
+        if barge:
+            xs = [b["speech_started_to_done_s"] for b in barge]
+            print(f"\nbarge-in over {len(barge)} trials: speech_started -> response.done "
+                  f"({', '.join(sorted({b['status'] for b in barge}))}) p50 {pct(xs, 50) * 1000:.1f} ms "
+                  f"(max {max(xs) * 1000:.1f})")
+    else:
+        print(f"{'sessions':>8} | {'turns':>5} | {'transcript p50':>14} | {'first delta p50 / p90':>21} | "
+              f"{'first segment p50 / p90':>23} | {'done p50':>8}")
+        print("-" * 96)
+        for r in rows:
+            print(f"{r['concurrency']:>8} | {r['turns']:>5} | {ms(r['asr_s']['p50']):>14} | "
+                  f"{ms(r['first_delta_s']['p50'])} / {ms(r['first_delta_s']['p90']):>11} | "
+                  f"{ms(r['first_segment_s']['p50'])} / {ms(r['first_segment_s']['p90']):>13} | "
+                  f"{ms(r['done_s']['p50']):>8}")
+        print("(ms after input_audio_buffer.commit)")
+        if cancels:
+            done = [c["cancel_to_done_s"] for c in cancels]
+            free = [c["cancel_to_slot_free_s"] for c in cancels]
+            print(f"\nbarge-in over {len(cancels)} trials: response.cancel -> response.done(cancelled) p50 "
+                  f"{pct(done, 50) * 1000:.1f} ms (max {max(done) * 1000:.1f}); -> decode slot free p50 "
+                  f"{pct(free, 50) * 1000:.1f} ms (max {max(free) * 1000:.1f}); ITL (delta to delta) before the "
+                  f"cancel p50 {pct([x for c in cancels for x in c['itl_before_cancel_s']], 50) * 1000:.1f} ms")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "voice_latency_quick" if args.quick else "voice_latency"
+    stem = ("voice_latency_vad" if args.vad else "voice_latency") + ("_quick" if args.quick else "")
     report = {"benchmark": "voice_latency", "model": "SmolLM2-135M-Instruct (embedded default) + Whisper tiny.en",
               "url": args.url, "pools": None if args.url else args.pools, "turns_per_session": args.turns,
               "max_output_tokens": args.max_output_tokens, "paced": not args.no_pacing, "seed": args.seed,
               "questions": QUESTIONS, "cpu_count": os.cpu_count(), "platform": platform.platform(),
               "git_commit": _git_commit(), "loadavg_start": load_start, "loadavg_end": load_end,
-              "results": rows, "cancel": cancels, "samples": samples}
+              "vad": args.vad, "results": rows, "cancel": cancels, "vad_barge_in": barge,
+              "samples": samples}
     json_path = args.out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     png_path = args.out_dir / f"{stem}.png"
     plot(rows, png_path, f"epd realtime API, SmolLM2-135M + Whisper tiny.en, {os.cpu_count()} CPUs, "
-                         f"{args.turns} spoken turns/session")
+                         f"{args.turns} spoken turns/session" + (", server VAD + audio out" if args.vad else ""),
+         vad=args.vad)
     print(f"\nwrote {json_path} and {png_path}")
     return 0
 
