@@ -3,6 +3,7 @@ and the lists the manifests are checked against (metric names, environment varia
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -10,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,16 @@ CRD_SCHEMAS = {
 
 POOLS = ("encode", "prefill", "decode")
 #: `epd launch --pools` / `epd serve --pools` letters
-POOL_LETTERS = {"e": "encode", "p": "prefill", "d": "decode", "pd": "pd"}
+POOL_LETTERS = {"e": "encode", "p": "prefill", "d": "decode", "pd": "pd", "t": "tts"}
+
+#: opt-in components that add a pool (deploy/components/<name>), and the pool each adds;
+#: no overlay has them, so POOLS stays what every overlay renders
+OPT_IN_POOLS = {"tts": "tts"}
+#: every overlay with every opt-in pool component added to its own components list, as
+#: deploy/README.md says to: "cpu+tts", ... (render() and kustomization_dir() take them)
+VARIANTS = tuple(f"{o}+{c}" for c in OPT_IN_POOLS for o in OVERLAYS)
+#: what the generic checks (validation, command lines, wiring) run on
+RENDERED = OVERLAYS + VARIANTS
 
 #: Every epd series the manifests and the dashboard may name (counters with _total;
 #: histograms by their base name). Checked against epd/metrics.py and a live /metrics.
@@ -91,14 +102,46 @@ def kustomize(path: Path) -> list[dict]:
     return docs
 
 
+def overlay_and_components(name: str) -> tuple[str, tuple[str, ...]]:
+    """``"cpu+tts"`` -> ("cpu", ("tts",)); ``"cpu"`` -> ("cpu", ())."""
+    overlay, *comps = name.split("+")
+    assert overlay in OVERLAYS and all(c in OPT_IN_POOLS for c in comps), name
+    return overlay, tuple(comps)
+
+
 @functools.lru_cache(maxsize=None)
-def _render_cached(overlay: str) -> str:
-    return json.dumps(kustomize(DEPLOY / "overlays" / overlay))
+def kustomization_dir(name: str) -> Path:
+    """The directory ``kubectl kustomize`` renders for ``name``: ``deploy/overlays/<overlay>``,
+    or for ``<overlay>+<component>`` that overlay in a copy of deploy/ (one per variant, for
+    the session) with ``../../components/<component>`` appended to its ``components:``."""
+    overlay, comps = overlay_and_components(name)
+    if not comps:
+        return DEPLOY / "overlays" / overlay
+    tmp = tempfile.mkdtemp(prefix=f"epd-deploy-{name.replace('+', '-')}-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    copy = Path(tmp) / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    path = copy / "overlays" / overlay / "kustomization.yaml"
+    k = yaml.safe_load(path.read_text())
+    k.setdefault("components", []).extend(f"../../components/{c}" for c in comps)
+    path.write_text(yaml.safe_dump(k, sort_keys=False))
+    return path.parent
 
 
-def render(overlay: str) -> list[dict]:
-    """The documents of ``deploy/overlays/<overlay>`` (a fresh copy each call)."""
-    return json.loads(_render_cached(overlay))
+def pools_of(name: str) -> tuple[str, ...]:
+    """The pools ``name`` (an overlay or a variant) renders a workload for."""
+    return POOLS + tuple(OPT_IN_POOLS[c] for c in overlay_and_components(name)[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _render_cached(name: str) -> str:
+    return json.dumps(kustomize(kustomization_dir(name)))
+
+
+def render(name: str) -> list[dict]:
+    """The documents of ``deploy/overlays/<overlay>``, or of a variant ``<overlay>+<component>``
+    (see kustomization_dir) (a fresh copy each call)."""
+    return json.loads(_render_cached(name))
 
 
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:

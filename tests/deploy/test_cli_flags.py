@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.deploy.manifests import (EPD_ENV, HELPER_ENV, OVERLAYS, ROOT, UCX_ENV, container_env, containers,
+from tests.deploy.manifests import (EPD_ENV, HELPER_ENV, RENDERED, ROOT, UCX_ENV, container_env, containers,
                                     expand, render, unresolved_vars)
 
 
@@ -73,7 +73,7 @@ def check_command_line(where: str, argv: list[str], env: dict[str, str], monkeyp
     return failures
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_every_command_line_parses_with_epds_parser(overlay, monkeypatch):
     """`epd serve ...` / `epd worker ...` exactly as the pods run them: argparse accepts
     them (required options given, here by the pod's EPD_* variables; values of the right
@@ -105,7 +105,7 @@ def test_the_command_line_check_catches_mistakes(monkeypatch):
         assert check_command_line(where, a, e, monkeypatch), f"{what} went unnoticed"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_environment_variables_are_read_by_someone(overlay):
     """EPD_* variables: in the known list and read by epd's code (their name appears in
     epd/ or router/); UCX_*: UCX's own; anything else: a helper used as $(NAME)."""
@@ -131,3 +131,23 @@ def test_environment_variables_are_read_by_someone(overlay):
             elif f"$({name})" not in used:
                 failures.append(f"{where}: helper {name} is used by nothing")
     assert not failures, "\n".join(failures)
+
+
+def test_the_tts_command_line_is_one_epd_runs(monkeypatch):
+    """The tts pool's worker (components/tts) on every overlay: `epd worker --role=tts`
+    parses, its --tts-engine is an engine epd.tts.load_synthesizer has (argparse takes any
+    string there, so the parser alone would not notice a wrong one), and the check above
+    catches a wrong role or a misspelt option on this command line too."""
+    from epd.tts import ENGINES
+
+    for overlay in RENDERED:
+        if "+tts" not in overlay:
+            continue
+        (where, argv, env), = [x for x in _command_lines(overlay) if "/epd-tts/" in x[0]]
+        assert check_command_line(where, argv, env, monkeypatch) == []
+        engine = next(a.split("=", 1)[1] for a in argv if a.startswith("--tts-engine="))
+        assert engine in ENGINES, f"{where}: --tts-engine={engine}: epd.tts has {ENGINES}"
+    bad = {"bad role": [a.replace("--role=tts", "--role=speech") for a in argv],
+           "abbreviation": [a.replace("--tts-engine=", "--tts-eng=") for a in argv]}
+    for what, a in bad.items():
+        assert check_command_line(where, a, env, monkeypatch), f"{what} went unnoticed"

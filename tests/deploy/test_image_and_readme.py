@@ -89,3 +89,23 @@ def test_readme_secret_commands_match_the_manifests_and_epd_keys(tmp_path):
     assert load_keys(mounted).secret
     for overlay in ("cpu", "gpu", "keda"):
         assert f"deploy/overlays/{overlay}" in readme
+
+
+def test_readme_documents_the_tts_component():
+    """deploy/README.md says how to enable components/tts (the exact components: entry an
+    overlay takes, which exists), and how a client asks for speech on /v1/realtime with
+    the option the realtime API really checks."""
+    import json
+
+    from epd.api.realtime_events import check_modalities
+    from epd.roles import Role
+
+    readme = (DEPLOY / "README.md").read_text()
+    assert "  - ../../components/tts" in readme
+    assert (DEPLOY / "overlays" / "cpu" / "../../components/tts" / "kustomization.yaml").resolve().is_file()
+    assert 'output_modalities: ["audio"]' in readme and "/v1/realtime" in readme
+    assert check_modalities(["audio"], "session.output_modalities", True) == ("audio",)
+    # the dashboard's pool filter offers every pool epd has (tts included)
+    dash = json.loads((DEPLOY / "grafana" / "epd-dashboard.json").read_text())
+    (pool,) = [v for v in dash["templating"]["list"] if v["name"] == "pool"]
+    assert {r.value for r in Role} <= set(pool["query"].split(","))

@@ -2,7 +2,8 @@
 Grafana dashboard use are epd's: all in METRIC_NAMES, declared by epd/metrics.py with the
 right type, and served after real traffic, by `epd launch`'s /metrics (failures included)
 and by the scrape targets of the Kubernetes topology (`epd serve` + one `epd worker
---http-port` per pool: each pool's autoscaling signal on its own workers' endpoint)."""
+--http-port` per pool: each pool's autoscaling signal on its own workers' endpoint); and
+the opt-in tts pod's own command line joins a real router, speaks and serves its series."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 import yaml
 
 from tests.deploy.manifests import (COUNTERS, DEPLOY, GAUGES, HISTOGRAMS, METRIC_NAMES, OVERLAYS, base_metric,
-                                    by_kind, metric_tokens, one, render)
+                                    by_kind, container_env, expand, metric_tokens, one, pod_template, render)
 
 DASHBOARD = DEPLOY / "grafana" / "epd-dashboard.json"
 
@@ -321,3 +322,71 @@ def test_each_scrape_target_serves_its_pools_signals(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@pytest.mark.slow
+def test_the_tts_pods_command_line_joins_a_router_speaks_and_drains(tmp_path):
+    """components/tts's container as rendered (cpu+tts), its arguments and environment as
+    the kubelet would give them; only `epd` is this Python's `-m epd.cli`, the pod IP is
+    loopback, the keys directory is one `epd keys generate` wrote, the router is a real one
+    in this process and --http-port a free port. It joins the router over CURVE without
+    any model, is ready (/health 200), speaks a phrase through the router (PCM16, 24 kHz),
+    serves what its PodMonitor scrapes (pool="tts" series on /metrics) and, on SIGTERM,
+    drains and exits 0."""
+    import asyncio
+
+    import httpx
+
+    from epd.cluster_auth import generate_keys, load_keys
+    from epd.router.pipeline import TTS_SAMPLE_RATE
+    from epd.router.router import Router
+
+    (c,) = pod_template(one(render("cpu+tts"), "Deployment", "epd-tts"))["spec"]["containers"]
+    assert c["command"] == ["epd"]
+    generate_keys(tmp_path / "keys")
+    http = _free_port()
+    log = tmp_path / "tts.log"
+
+    async def main() -> tuple[int, bytes, str, int]:
+        router = Router(host="127.0.0.1", port=_free_port(), keys=load_keys(tmp_path / "keys"))
+        await router.start()
+        pod_env = container_env(c, {"status.podIP": "127.0.0.1", "metadata.name": "epd-tts-5d8f7-x2x9q"})
+        assert pod_env["EPD_ROUTER"] == "tcp://epd-router:5557"
+        pod_env |= {"EPD_ROUTER": router.endpoint, "EPD_CLUSTER_KEYS": str(tmp_path / "keys")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("EPD_", "PROMETHEUS_MULTIPROC_DIR"))}
+        env |= pod_env | {"PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "epd.cli", *(expand(a, pod_env) for a in c["args"]), f"--http-port={http}"]
+        proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while router.pools_alive().get("tts", 0) < 1:
+                assert proc.poll() is None and time.monotonic() < deadline, f"did not join:\n{log.read_text()}"
+                await asyncio.sleep(0.2)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http}", timeout=30) as client:
+                while (health := await client.get("/health")).status_code != 200:
+                    assert time.monotonic() < deadline, health.text
+                    await asyncio.sleep(0.2)
+                pcm = b"".join([b async for b in router.synthesize("deploy-tts-1", "Hello from the tts pod.",
+                                                                   "alloy")])
+                metrics = ""
+                while 'epd_tts_phrases_total{instance="epd-tts-5d8f7-x2x9q",pool="tts"}' not in metrics:
+                    assert time.monotonic() < deadline, metrics
+                    await asyncio.sleep(0.5)
+                    metrics = (await client.get("/metrics")).text
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 60)
+            return code, pcm, metrics, TTS_SAMPLE_RATE
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            await router.stop(shutdown_workers=False)
+
+    code, pcm, metrics, rate = asyncio.run(main())
+    assert code == 0, log.read_text()
+    assert len(pcm) % 2 == 0 and len(pcm) / 2 / rate > 0.5, f"{len(pcm)} bytes of speech"
+    fam = _families(metrics)
+    for name in ("epd_queue_depth", "epd_running_requests"):
+        assert any('pool="tts"' in line for line in fam.get(name, [])), f"{name} not on the tts pod's /metrics"
+    assert "drained" in log.read_text()

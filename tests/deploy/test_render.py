@@ -1,5 +1,6 @@
 """deploy/: every overlay renders with `kubectl kustomize`, with the objects it promises,
-and nothing in the output needs (or holds) real cluster keys."""
+and nothing in the output needs (or holds) real cluster keys; the opt-in tts component
+adds its pool to any overlay and changes nothing else."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from collections import Counter
 import pytest
 
 from tests.deploy import manifests
-from tests.deploy.manifests import (DEPLOY, OVERLAYS, POOLS, by_kind, container_env, containers, kustomize,
-                                    pod_templates, render, workloads)
+from tests.deploy.manifests import (DEPLOY, OVERLAYS, POOLS, RENDERED, VARIANTS, by_kind, container_env, containers,
+                                    kustomization_dir, kustomize, pod_templates, pools_of, render, workloads)
 
 
 def test_missing_kubectl_fails_with_a_clear_message(monkeypatch, tmp_path):
@@ -58,16 +59,18 @@ def test_overlay_renders_with_the_promised_objects(overlay):
         assert "epd-prometheus-adapter-rules" in by_kind(docs, "ConfigMap")
 
 
-def test_pool_services_are_headless():
-    """One headless Service per pool (cpu): DNS per pod, no load balancing of its own."""
-    docs = render("cpu")
-    for pool in POOLS:
+@pytest.mark.parametrize("overlay", ["cpu", "cpu+tts"])
+def test_pool_services_are_headless(overlay):
+    """One headless Service per pool (cpu, and with the tts pool): DNS per pod, no load
+    balancing of its own."""
+    docs = render(overlay)
+    for pool in pools_of(overlay):
         svc = by_kind(docs, "Service")[f"epd-{pool}"]
         assert svc["spec"].get("clusterIP") == "None", pool
         assert svc["metadata"]["labels"]["epd.io/pool"] == pool
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_no_key_material_rendered_and_every_pod_mounts_the_cluster_keys(overlay):
     """The output holds no Secret (the cluster keys are made by `epd keys generate` and
     `kubectl create secret`, never committed or rendered), and every epd container mounts
@@ -89,6 +92,34 @@ def test_no_key_material_rendered_and_every_pod_mounts_the_cluster_keys(overlay)
     assert seen >= 4
 
 
+def _key(d: dict) -> tuple[str, str]:
+    return d["kind"], d["metadata"]["name"]
+
+
+TTS_OBJECTS = {("Deployment", "epd-tts"), ("Service", "epd-tts"), ("PodDisruptionBudget", "epd-tts"),
+               ("PodMonitor", "epd-tts")}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tts_component_adds_the_tts_pool_and_changes_nothing_else(variant):
+    """An overlay with ../../components/tts added to its components renders exactly what the
+    overlay renders (byte for byte, the API's --pools included) plus the tts pool: its
+    Deployment, headless Service, PodDisruptionBudget and PodMonitor, in the overlay's
+    namespace, labelled like the other pools' objects. No overlay has it by default."""
+    overlay = variant.split("+")[0]
+    plain, with_tts = render(overlay), render(variant)
+    added = [d for d in with_tts if _key(d) not in {_key(p) for p in plain}]
+    assert {_key(d) for d in added} == TTS_OBJECTS
+    assert sorted((d for d in with_tts if _key(d) not in TTS_OBJECTS), key=_key) == sorted(plain, key=_key)
+    for d in added:
+        assert d["metadata"]["namespace"] == "epd", _key(d)
+        assert d["metadata"]["labels"] == {"app.kubernetes.io/name": "epd", "app.kubernetes.io/component": "tts",
+                                           "app.kubernetes.io/part-of": "epd", "epd.io/pool": "tts"}, _key(d)
+    assert not {_key(d) for d in plain} & TTS_OBJECTS
+    for name in ("tts.yaml", "podmonitor.yaml", "kustomization.yaml"):
+        assert (DEPLOY / "components" / "tts" / name).is_file()
+
+
 def test_rdma_component_renders_on_top_of_gpu(tmp_path):
     """components/rdma (documented opt-in) applies to the gpu overlay: every worker asks
     for an RDMA device and may lock memory; the API does not."""
@@ -108,13 +139,13 @@ def test_rdma_component_renders_on_top_of_gpu(tmp_path):
             assert "IPC_LOCK" in caps, w["metadata"]["name"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_images_retarget_every_container(overlay, tmp_path):
     """The image is `epd:latest` everywhere, and the kustomize `images:` entry the README
     tells users to change retargets every container, CRD workloads included."""
     docs = render(overlay)
     assert {c["image"] for _w, _t, c in containers(docs)} == {"epd:latest"}
-    rel = os.path.relpath(DEPLOY / "overlays" / overlay, tmp_path)
+    rel = os.path.relpath(kustomization_dir(overlay), tmp_path)
     (tmp_path / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
         f"resources:\n  - {rel}\nimages:\n  - name: epd\n    newName: registry.example.com/ml/epd\n"
@@ -123,7 +154,7 @@ def test_images_retarget_every_container(overlay, tmp_path):
     assert {c["image"] for _w, _t, c in containers(docs)} == {"registry.example.com/ml/epd:1.2.3"}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_pods_run_as_the_image_user(overlay):
     """Pods run as uid 10001 (the Dockerfile's user), non-root, no privilege escalation."""
     dockerfile = (DEPLOY / "Dockerfile").read_text()

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from tests.deploy.manifests import (LWS_GROUP_INDEX_FIELD, OVERLAYS, POOLS, by_kind, container_env, containers,
-                                    flag_value, metric_tokens, one, parse_pools, pod_labels, pod_template,
-                                    pod_templates, pool_of, render, selects, workloads)
+from tests.deploy.manifests import (LWS_GROUP_INDEX_FIELD, POOLS, RENDERED, VARIANTS, by_kind, container_env,
+                                    containers, flag_value, metric_tokens, one, parse_pools, pod_labels,
+                                    pod_template, pod_templates, pool_of, pools_of, render, selects, workloads)
 
 
 def _pods(docs):
@@ -31,7 +31,7 @@ def _selected(docs, selector: dict):
     return [w for w, labels, _c in _pods(docs) if selects(selector, labels)]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_workload_selectors_match_their_own_pods_only(overlay):
     docs = render(overlay)
     for w in workloads(docs):
@@ -41,7 +41,7 @@ def test_workload_selectors_match_their_own_pods_only(overlay):
             assert _selected(docs, sel) == [w], f"{w['metadata']['name']}'s selector also selects other pods"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_each_pool_is_labelled_with_its_role(overlay):
     """The pool workloads and their pods carry app.kubernetes.io/component and epd.io/pool
     equal to the --role their worker runs."""
@@ -55,10 +55,10 @@ def test_each_pool_is_labelled_with_its_role(overlay):
         role = flag_value(args, "--role")
         assert labels["epd.io/pool"] == labels["app.kubernetes.io/component"] == role == pool_of(w), w["metadata"]
         roles[role] = w["metadata"]["name"]
-    assert set(roles) == set(POOLS)
+    assert set(roles) == set(pools_of(overlay))
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_services_pdbs_and_podmonitors_select_one_pool_each(overlay):
     """Every Service, PodDisruptionBudget and PodMonitor selects the pods of exactly one
     workload (its pool's, or the API's), and its ports name ports those pods have."""
@@ -81,7 +81,7 @@ def test_services_pdbs_and_podmonitors_select_one_pool_each(overlay):
                 assert all(e.get("honorLabels") is True for e in eps), f"{name}: epd's instance label is lost"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_probes_mean_ready_and_alive(overlay):
     """Workers: ready = GET /health on their --http-port (the router has them), alive =
     GET /live, startup gated on /live; the API: ready = GET /health on --port (the
@@ -110,7 +110,7 @@ def test_probes_mean_ready_and_alive(overlay):
         assert start["periodSeconds"] * start["failureThreshold"] >= 300, "model loading may take minutes"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_grace_period_lets_the_drain_finish(overlay):
     """terminationGracePeriodSeconds > --drain-timeout (+ any preStop sleep) for every
     worker, so SIGTERM's drain ends before the SIGKILL."""
@@ -127,7 +127,7 @@ def test_grace_period_lets_the_drain_finish(overlay):
             assert grace > sleep
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_workers_reach_the_router_before_it_is_ready(overlay):
     """Every worker's EPD_ROUTER is the epd-router Service at the API's --router-port; that
     Service publishes not-ready addresses (the router is ready only after workers joined),
@@ -152,17 +152,19 @@ def test_workers_reach_the_router_before_it_is_ready(overlay):
             assert env.get("EPD_INSTANCE_ID"), w["metadata"]["name"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_pool_minimums_fit_replicas_and_autoscaling(overlay):
     """The API's --pools minimum per pool is <= each pool's replicas and its autoscaler's
-    minimum (else /health, hence the API's readiness, could never pass)."""
+    minimum (else /health, hence the API's readiness, could never pass). The opt-in tts
+    pool is not in it (components/tts leaves the API alone: speech out is offered once a
+    tts worker joined), so /health never waits for it."""
     docs = render(overlay)
     minimum = parse_pools(flag_value(_api_args(docs), "--pools"))
     assert set(minimum) == set(POOLS)
     for w in workloads(docs):
         pool = pool_of(w)
         if pool:
-            assert w["spec"]["replicas"] >= minimum[pool], w["metadata"]["name"]
+            assert w["spec"]["replicas"] >= max(minimum.get(pool, 0), 1), w["metadata"]["name"]
     for hpa in by_kind(docs, "HorizontalPodAutoscaler").values():
         assert hpa["spec"]["minReplicas"] >= minimum[hpa["metadata"]["labels"]["epd.io/pool"]]
     for so in by_kind(docs, "ScaledObject").values():
@@ -330,7 +332,7 @@ def test_the_gpu_prefill_check_catches_mistakes():
         assert gpu_prefill_problems(mutated(change)), f"{what} went unnoticed"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_workers_have_shared_memory(overlay):
     """NIXL/UCX and the KV staging pool use /dev/shm, which is 64 MiB in a pod by default."""
     for w, t, c in containers(render(overlay)):
@@ -340,3 +342,42 @@ def test_workers_have_shared_memory(overlay):
         assert mount, w["metadata"]["name"]
         vol = {v["name"]: v for v in t["spec"]["volumes"]}[mount[0]["name"]]
         assert vol["emptyDir"]["medium"] == "Memory"
+
+
+def test_tts_pool_is_cpu_only_loads_no_model_and_is_scraped():
+    """components/tts on every overlay: one Deployment epd-tts running `epd worker
+    --role=tts` as `epd launch` runs its t pool (TP 1, no --rank), with no --model (a tts
+    worker loads none: its synthesizer is in the image), no GPU, toleration or model
+    volume (so on gpu too it lands on CPU nodes), no UCX settings (it moves no KV), and
+    the same pod on every overlay. Every workload, tts included, is scraped by exactly one
+    PodMonitor; nothing autoscales the tts pool (its replicas are the user's)."""
+    pods = {}
+    for variant in VARIANTS:
+        docs = render(variant)
+        w = one(docs, "Deployment", "epd-tts")
+        t = pod_template(w)
+        (c,) = t["spec"]["containers"]
+        args = _args(c)
+        where = f"{variant}: epd-tts"
+        assert args[0] == "worker" and flag_value(args, "--role") == "tts", where
+        for flag in ("--model", "--tp", "--rank", "--kv-cache-memory-gb", "--kv-staging-mb"):
+            assert flag_value(args, flag) is None and flag not in args, f"{where}: {flag}"
+        res = c["resources"]
+        assert not any("gpu" in k for part in res.values() for k in part), f"{where}: {res}"
+        assert res["limits"]["memory"] == res["requests"]["memory"], where
+        for key in ("tolerations", "nodeSelector", "affinity", "initContainers"):
+            assert key not in t["spec"], f"{where}: {key}"
+        assert {v["name"] for v in t["spec"]["volumes"]} == {"cluster-keys", "dshm"}, where
+        assert not [e for e in c["env"] if e["name"].startswith("UCX_")], where
+        pods[variant] = t
+        for wl in workloads(docs):
+            monitors = [name for name, pm in by_kind(docs, "PodMonitor").items()
+                        if selects(pm["spec"]["selector"], pod_labels(wl))]
+            assert len(monitors) == 1, f"{variant}: {wl['metadata']['name']} is scraped by {monitors}"
+        assert [n for n, pm in by_kind(docs, "PodMonitor").items()
+                if selects(pm["spec"]["selector"], pod_labels(w))] == ["epd-tts"]
+        targets = [o["spec"]["scaleTargetRef"]["name"] for kind in ("HorizontalPodAutoscaler", "ScaledObject")
+                   for o in by_kind(docs, kind).values()]
+        assert "epd-tts" not in targets, variant
+    first = next(iter(pods.values()))
+    assert all(t == first for t in pods.values()), "the tts pod differs between overlays"
