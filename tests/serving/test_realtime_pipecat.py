@@ -42,6 +42,7 @@ class Agent:
         agent = self
         self.audio_bytes, self.ends, self.frames = 0, 0, []
         self.changed = asyncio.Event()
+        self.speaking = asyncio.Event()  # set by the first audio out
 
         class Recorder(FrameProcessor):
             async def process_frame(self, frame, direction):
@@ -49,13 +50,32 @@ class Agent:
                 agent.frames.append(type(frame).__name__)
                 if isinstance(frame, TTSAudioRawFrame):
                     agent.audio_bytes += len(frame.audio)
+                    agent.speaking.set()
                 elif isinstance(frame, LLMFullResponseEndFrame):
                     agent.ends += 1
                     agent.changed.set()
                 await self.push_frame(frame, direction)
 
-        self.llm = OpenAIRealtimeLLMService(api_key="none", base_url=server.url.replace("http", "ws") + "/v1/realtime",
-                                            settings=OpenAIRealtimeLLMService.Settings(model=server.model))
+        class Service(OpenAIRealtimeLLMService):
+            """The service as is; it also notes each ``response.done``'s status (and reason)."""
+
+            async def _handle_evt_response_done(self, evt):
+                details = evt.response.status_details or {}
+                agent.done.append((evt.response.status, details.get("reason")))
+                agent.log.append(("done", evt.response.status))
+                agent.changed.set()
+                await super()._handle_evt_response_done(evt)
+
+            async def send_client_event(self, event):
+                item = getattr(event, "item", None)
+                if getattr(item, "type", None) == "function_call_output":
+                    agent.log.append(("result", item.call_id))
+                await super().send_client_event(event)
+
+        self.done: list[tuple[str, str | None]] = []  # each response.done: (status, reason)
+        self.log: list[tuple[str, str]] = []  # ("result", call id) sent and ("done", status) heard, in order
+        self.llm = Service(api_key="none", base_url=server.url.replace("http", "ws") + "/v1/realtime",
+                           settings=OpenAIRealtimeLLMService.Settings(model=server.model))
         for name, fn in (functions or {}).items():
             self.llm.register_function(name, fn)
         self.context = context
@@ -64,13 +84,24 @@ class Agent:
                                  params=PipelineParams(audio_in_sample_rate=RATE, audio_out_sample_rate=RATE))
         self.direction = FrameDirection
 
-    async def greet(self) -> None:
+    async def greet(self, wait: bool = True) -> None:
         """Run the LLM on the context as it stands, as pipecat's examples do when a client
         connects: the context reaches the service and the bot answers first (response 1)."""
         from pipecat.frames.frames import LLMRunFrame
 
         await self.task.queue_frame(LLMRunFrame())
-        await self.responses(1)
+        if wait:
+            await self.responses(1)
+
+    async def set_tool_choice(self, choice: str) -> None:
+        """Change the session's ``tool_choice`` the way a pipecat app does (a settings
+        frame; the service sends ``session.update``)."""
+        from pipecat.frames.frames import LLMUpdateSettingsFrame
+        from pipecat.services.openai.realtime.events import SessionProperties
+        from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+
+        await self.task.queue_frame(LLMUpdateSettingsFrame(delta=OpenAIRealtimeLLMService.Settings(
+            session_properties=SessionProperties(tool_choice=choice))))
 
     async def speak(self, pcm: bytes) -> None:
         from pipecat.frames.frames import InputAudioRawFrame
@@ -81,8 +112,12 @@ class Agent:
 
     async def responses(self, n: int, timeout_s: float = 240) -> None:
         """Wait until ``n`` responses have ended."""
+        await self.until(lambda: self.ends >= n, timeout_s)
+
+    async def until(self, done, timeout_s: float = 240) -> None:
+        """Wait until ``done()`` holds; it is checked after each response end or item update."""
         async def wait():
-            while self.ends < n:
+            while not done():
                 self.changed.clear()
                 await self.changed.wait()
         await asyncio.wait_for(wait(), timeout_s)
@@ -141,3 +176,88 @@ def test_two_spoken_turns_are_answered_in_speech_and_kept_in_the_context(server)
     assert len(assistants) == 3 and all(assistants), said
     assert [r for r, _ in said] == ["assistant", "user", "assistant", "user", "assistant"], said
     assert agent.audio_bytes > 2 * RATE  # more than a second of speech out, at 24 kHz PCM16
+
+
+def _pd_slots_free(server) -> bool:
+    stats = [v for k, v in server.workers().items() if k.startswith("pd")]
+    assert stats, server.workers()
+    return all(s["num_running"] == 0 and s["num_reserved"] == 0 and s["num_free_blocks"] == s["num_blocks"]
+               for s in stats)
+
+
+def test_speech_over_the_answer_interrupts_it_and_frees_its_slot(server):
+    """Barge-in at pipecat's defaults: the user speaks while the greeting still streams;
+    epd's server VAD cancels that response (``interrupt_response``), pipecat truncates
+    the item it was playing, and the user's turn is answered next."""
+    from pipecat.processors.aggregators.llm_context import LLMContext
+
+    context = LLMContext([{"role": "system", "content": "You are a storyteller. Greet the user with a very "
+                                                        "long story about a dragon, with many chapters."}])
+    agent = Agent(server, context)
+    busy = []
+
+    async def script(a: Agent):
+        await a.greet(wait=False)
+        await asyncio.wait_for(a.speaking.wait(), 240)
+        busy.append(not await asyncio.to_thread(_pd_slots_free, server))  # the story holds the slot
+        await a.speak(pcm16("primary_colors.wav", RATE) + silence(1500))
+        # pipecat ends the story itself at the interruption; the user's answer comes after
+        await a.until(lambda: len(a.done) >= 2)
+        await asyncio.sleep(1.0)
+
+    asyncio.run(run(agent, script))
+    assert busy == [True]
+    # the greeting's story is cut by the turn; the answer is not (it may run to its token cap)
+    assert agent.done[0] == ("cancelled", "turn_detected"), agent.done
+    assert agent.done[1][0] in ("completed", "incomplete") and agent.done[1][1] != "turn_detected", agent.done
+    said = roles(context)
+    assert [r for r, _ in said] == ["assistant", "user", "assistant"], said
+    assert "primary colors" in said[1][1].lower(), said
+    assert said[2][1], said
+    assert _pd_slots_free(server)  # nothing still decodes the cancelled story
+
+
+def test_a_spoken_question_runs_a_registered_function_and_its_result_is_answered(server):
+    """The tool loop through pipecat: the session's tools come from the context; the
+    spoken question gets a function call, pipecat runs the registered handler and sends
+    its result, and epd answers with it. SmolLM2-135M does not choose a tool by itself,
+    so the app asks for one (``tool_choice: "required"``) for that turn, and for words
+    (``"none"``; at ``"auto"`` it copies the call in its history) before it returns the result."""
+    from pipecat.adapters.schemas.function_schema import FunctionSchema
+    from pipecat.adapters.schemas.tools_schema import ToolsSchema
+    from pipecat.processors.aggregators.llm_context import LLMContext
+
+    tools = ToolsSchema(standard_tools=[FunctionSchema(
+        name="get_capital", description="The capital city of a country.",
+        properties={"country": {"type": "string"}}, required=["country"])])
+    context = LLMContext([{"role": "system", "content": "You are a helpful assistant. Answer in one sentence."}],
+                         tools=tools)
+    calls = []
+
+    async def get_capital(params):
+        calls.append(dict(params.arguments))
+        await agent.set_tool_choice("none")
+        await asyncio.sleep(0.5)  # the session.update goes out before the result's response.create
+        await params.result_callback({"capital": "Paris"})
+
+    agent = Agent(server, context, functions={"get_capital": get_capital})
+
+    async def script(a: Agent):
+        await a.greet()
+        await a.set_tool_choice("required")
+        await a.speak(silence(500) + pcm16("capital_of_france.wav", RATE) + silence(1500))
+        # the model may call it more than once in that response (parallel calls); pipecat
+        # sends each result and asks for a response; wait for one after the last result
+        await a.until(lambda: calls and len([k for k, _ in a.log if k == "result"]) == len(calls)
+                      and a.log[-1][0] == "done")
+        await asyncio.sleep(1.0)
+
+    asyncio.run(run(agent, script))
+    assert calls and all(isinstance(c.get("country"), str) for c in calls), calls
+    messages = [m for m in context.get_messages() if isinstance(m, dict)]
+    call = next(m for m in messages if m.get("role") == "assistant" and m.get("tool_calls"))
+    assert call["tool_calls"][0]["function"]["name"] == "get_capital", messages
+    result = next(m for m in messages if m.get("role") == "tool")
+    assert result["tool_call_id"] == call["tool_calls"][0]["id"] and "Paris" in result["content"], messages
+    after = messages[messages.index(result) + 1:]
+    assert any(m.get("role") == "assistant" and m.get("content") for m in after), messages
