@@ -261,27 +261,36 @@ async def measure_vad_barge_in(url: str, questions: list[bytes], trials: int, ar
             await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                 {"type": "input_text", "text": f"Tell me a very long story about dragon number {i}."}]})
             await conn.response.create(response={"max_output_tokens": 400})
-            await recv_until(conn, lambda e: e.type == "response.output_audio.delta")
-            stamps: dict = {}
+            first = await recv_until(conn, lambda e: e.type == "response.output_audio.delta")
+            story, stamps, seen = first.response_id, {}, []
 
             def see(ev) -> bool:
+                if not ev.type.endswith(".delta"):
+                    seen.append(ev.type)
                 if ev.type == "input_audio_buffer.speech_started":
                     stamps.setdefault("started", time.perf_counter())
-                elif ev.type == "response.done" and "started" in stamps and "done" not in stamps:
-                    stamps["done"] = time.perf_counter()
+                elif ev.type == "response.done" and ev.response.id == story:
                     stamps["status"] = ev.response.status
-                elif ev.type == "response.done" and "done" in stamps:
+                    if "started" in stamps:  # else the story ended before the speech began
+                        stamps["done"] = time.perf_counter()
+                elif ev.type == "response.done":
                     return True  # the answer to the interrupting turn
                 return False
 
-            receiver = asyncio.create_task(recv_until(conn, see))
+            receiver = asyncio.create_task(recv_until(conn, see, timeout_s=180))
             audio = pcm + bytes(RATE * 2 * 1500 // 1000)
             t_start = time.perf_counter()
             for k, off in enumerate(range(0, len(audio), step)):
                 await asyncio.sleep(max(0.0, t_start + k * CHUNK_MS / 1000 - time.perf_counter()))
                 await conn.input_audio_buffer.append(audio=base64.b64encode(audio[off:off + step]).decode())
-            await receiver
-            out.append({"speech_started_to_done_s": stamps["done"] - stamps["started"], "status": stamps["status"]})
+            try:
+                await receiver
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"barge-in trial {i}: no answer to the interrupting turn; events: {seen}") from None
+            if "done" in stamps:
+                out.append({"speech_started_to_done_s": stamps["done"] - stamps["started"], "status": stamps["status"]})
+            else:
+                print(f"barge-in trial {i}: the story ended ({stamps.get('status')}) before speech began; not counted")
     return out
 
 
