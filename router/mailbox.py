@@ -193,8 +193,11 @@ class Mailbox:
                 raise RequestError(f"{stage} timed out after {timeout_s:.0f} s" + (f" on {who}" if who else ""),
                                    status=504, retryable=True, instance=who, kind="timeout")
             try:
-                msg = await asyncio.wait_for(q.get(), min(remaining, self.liveness_poll_s) if watch else remaining)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for returns a message that lands
+                # as the wait is cancelled, and the cancel is lost (CPython gh-86296)
+                async with asyncio.timeout(min(remaining, self.liveness_poll_s) if watch else remaining):
+                    msg = await q.get()
+            except TimeoutError:
                 self._check_alive(watch, stage)
                 continue
             if stash is not None and isinstance(msg, TokenOutput):
