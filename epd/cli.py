@@ -12,6 +12,7 @@ from epd.launch_config import (DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIE
                                WORKER_ENGINE_FLAGS, LaunchConfig,
                                int_list)
 from epd.roles import ROLE_NAMES, Role
+from epd.tts import ENGINES as TTS_ENGINES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -438,7 +439,7 @@ def _add_worker_parser(sub) -> None:
                    help="model and KV cache dtype (default: auto: bfloat16 where the device computes it "
                         "natively (AVX512_BF16/AMX CPUs, bf16 GPUs), else float32); every prefill and decode "
                         "worker of a deployment must use the same")
-    w.add_argument("--tts-engine", default="espeak",
+    w.add_argument("--tts-engine", default="espeak", choices=TTS_ENGINES,
                    help="a tts worker's synthesizer: espeak (eSpeak NG, embedded; default) "
                         "(see epd.tts.load_synthesizer)")
     w.add_argument("--compile", action="store_true",

@@ -155,6 +155,9 @@ def test_launch_refuses_bad_engine_settings_before_starting_workers():
         LaunchConfig(max_prefill_tokens_with_decodes=-5)
     with pytest.raises(LaunchSpecError, match="dtype must be one of"):
         LaunchConfig(dtype="fp8")
+    with pytest.raises(LaunchSpecError, match=r"tts_engine must be one of \('espeak',\), got 'espek'"):
+        LaunchConfig(tts_engine="espek")  # else each tts worker dies at start-up, and the launch with it
+    assert LaunchConfig(tts_engine="espeak").forwarded_worker_args() == ["--tts-engine", "espeak"]
     args = LaunchConfig(max_prefill_tokens_with_decodes=0, dtype="float32", compile=True,
                         cuda_graph_sizes=(1, 2, 4)).forwarded_worker_args()
     assert args == ["--max-prefill-tokens-with-decodes", "0", "--dtype", "float32", "--compile",

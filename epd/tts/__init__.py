@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is the synthesizers' (kept out of `epd`'s start: `epd launch` checks ENGINES)
+    import numpy as np
 
 __all__ = ["SAMPLE_RATE", "Synthesizer", "UnknownVoiceError", "load_synthesizer"]
 
