@@ -1,4 +1,4 @@
-"""``epd`` command line: generate, launch, serve, worker, keys generate, model create-tiny, bench."""
+"""``epd`` command line: generate, launch, serve, worker, keys generate, model create-tiny, bench, diagnose."""
 
 from __future__ import annotations
 
@@ -480,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)  # `epd bench`: the serving benchmark (epd/bench/)
+    from epd.diagnose import add_parser as add_diagnose_parser
+
+    add_diagnose_parser(sub)  # `epd diagnose`: a running server's bottleneck from its /metrics (epd/diagnose.py)
     return parser
 
 
@@ -496,24 +499,31 @@ def _catch_signals_while_starting() -> list[int]:
     return caught
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.func is cmd_worker:
-        args.early_signals = _catch_signals_while_starting()
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors that are the user's to fix (exit code 2). Imported only once one is raised:
+    ``epd.config`` imports torch, which commands such as ``diagnose`` never need."""
     from epd.cluster_auth import ClusterKeysError
     from epd.config import ConfigError
     from epd.launch_spec import LaunchSpecError
     from epd.model_files import ModelLoadError, ModelNotFoundError
 
+    return ModelNotFoundError, ModelLoadError, ConfigError, LaunchSpecError, ClusterKeysError
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.func is cmd_worker:
+        args.early_signals = _catch_signals_while_starting()
     try:
         return args.func(args)
-    except (ModelNotFoundError, ModelLoadError, ConfigError, LaunchSpecError, ClusterKeysError) as e:
-        print(f"epd {args.command}: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"epd {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a user mistake the checks above missed: a message, not a traceback
+    except Exception as e:
+        if isinstance(e, _user_errors()):
+            print(f"epd {args.command}: {e}", file=sys.stderr)
+            return 2
+        # a user mistake the checks above missed: a message, not a traceback
         if os.environ.get("EPD_DEBUG"):
             raise
         print(f"epd {args.command}: {type(e).__name__}: {e} (set EPD_DEBUG=1 for the traceback)", file=sys.stderr)
