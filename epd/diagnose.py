@@ -380,16 +380,14 @@ class Window:
 
     def gauge_stats(self, name: str, pool: str) -> dict[str, float] | None:
         """``mean``: mean over the samples and instances; ``max``: the largest sample of any
-        instance; ``mean_total``: mean over the samples of the pool's sum; ``last_max``: the
-        largest instance value at the end. None when the pool never reported ``name``."""
+        instance; ``mean_total``: mean over the samples of the pool's sum. None when the pool
+        never reported ``name``."""
         per = self.gauge(name, pool)
         if not per:
             return None
         values = [v for vs in per.values() for v in vs]
         totals = [sum(v for _, v in ss) for s in self.gauges if (ss := s.series(name, pool=pool))]
-        last = [v for _, v in self.end.series(name, pool=pool)]
-        return {"mean": sum(values) / len(values), "max": max(values), "mean_total": sum(totals) / len(totals),
-                "last_max": max(last) if last else math.nan}
+        return {"mean": sum(values) / len(values), "max": max(values), "mean_total": sum(totals) / len(totals)}
 
 
 # ---- checks ------------------------------------------------------------------------------------
@@ -405,10 +403,6 @@ class Check:
     pool: str | None = None
     detail: str = ""
     evidence: dict[str, float | str] = field(default_factory=dict)
-
-    @property
-    def title(self) -> str:
-        return SYMPTOMS[self.id][0]
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -443,6 +437,13 @@ def _ms(x: float) -> str:
     if x >= 0.0095:
         return f"{x * 1000:.0f}ms"
     return f"{x * 1000:.1f}ms"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _pc(x: float) -> str:
@@ -602,7 +603,7 @@ def check_kv_transfer(w: Window, s: Settings) -> list[Check]:
         ev["effective_gb_per_s"] = nbytes / kt.sum / 1e9  # a lower bound: the time overlaps compute
     fired = ev["p99_s"] >= KV_TRANSFER_P99_S and ev["p99_s"] >= KV_TRANSFER_OVER_PREFILL * ev["prefill_p99_s"]
     detail = (f"KV transfer p50/p99 {_ms(ev['p50_s'])}/{_ms(ev['p99_s'])} vs prefill execution p99 "
-              f"{_ms(ev['prefill_p99_s'])}; {ev['bytes_per_request'] / 2**20:.1f} MiB per request")
+              f"{_ms(ev['prefill_p99_s'])}; {_bytes(ev['bytes_per_request'])} per request")
     return [Check(cid, "symptom" if fired else "ok", "prefill", detail, ev)]
 
 

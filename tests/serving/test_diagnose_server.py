@@ -6,7 +6,8 @@ server (idle, then lightly loaded) reports no symptom; each induced bottleneck i
 - a flood of long prompts on ``p:1,d:2``: ``prefill_queue_dominates_ttft``,
   ``pool_ratio_mismatch`` (p:2,d:1) and, under a 0.5 s TTFT SLO, ``goodput_low``;
 - the same flood with a 128-token step budget: ``prefill_budget_small`` instead;
-- a tiny KV cache with many concurrent requests: ``decode_kv_short`` (preemptions);
+- a tiny KV cache with many concurrent requests: ``decode_kv_short`` (preemptions) and
+  ``decode_tpot_jitter`` (the preempted streams stall, the cache is full);
 - clients that disconnect mid-stream: every block comes back, so no ``cancel_leak``
   (the check is evaluated, on the idle end of the window);
 - random prompts against prompts that share a system prompt: ``prefix_cache_miss``
@@ -226,7 +227,8 @@ def test_a_small_step_token_budget_leaves_prefill_under_used(small_llama):
 # ---- decode KV short ------------------------------------------------------------------------------------------
 def test_a_tiny_decode_kv_cache_preempts(small_llama):
     """p:1,d:1 with 24 KV blocks of 16 tokens per worker and 8 clients streaming 120 tokens of
-    32-token prompts (10 blocks each at the end): the decode worker preempts."""
+    32-token prompts (10 blocks each at the end): the decode worker preempts (decode_kv_short),
+    and the streams it preempts stall while the cache is full (decode_tpot_jitter)."""
     with launch(small_llama, "p:1,d:1", "--num-kv-blocks", "24", "--max-model-len", "256", *THREADS) as server:
         model = server.model
         load = Load(lambda rng: stream_model(server, model, tokens(rng, 32), 120), threads=8, seed=3)
@@ -236,6 +238,9 @@ def test_a_tiny_decode_kv_cache_preempts(small_llama):
         assert rc == 1 and "decode_kv_short" in symptoms(data), summary(data)
         kv = check(data, "decode_kv_short", "decode")
         assert kv["status"] == "symptom" and kv["evidence"]["preemptions"] >= 2, summary(data)
+        # the preempted streams stall (their KV is recomputed) while the cache is full
+        jitter = check(data, "decode_tpot_jitter", "decode")
+        assert jitter["status"] == "symptom" and jitter["evidence"]["kv_usage_max"] >= 0.9, summary(data)
 
 
 # ---- cancelled streams -----------------------------------------------------------------------------------------
