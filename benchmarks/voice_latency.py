@@ -22,8 +22,9 @@ server VAD (the default ``turn_detection``), audio out (``output_modalities:
 paced. Per turn, from the end of the question's audio (the last speech chunk appended):
 
 * ``speech_stopped``: ``input_audio_buffer.speech_stopped`` (silero-vad's end of turn);
-* ``asr``: the transcription's ``.completed`` event (early transcription starts at the
-  VAD's pause, so this can come right after ``speech_stopped``);
+* ``transcript delta``: the first ``...input_audio_transcription.delta`` (early
+  transcription starts at the VAD's pause, so this can come right after
+  ``speech_stopped``); ``asr`` in the JSON is the ``.completed`` event;
 * ``first delta``: the first ``response.output_audio_transcript.delta``;
 * ``first audio``: the first ``response.output_audio.delta`` (the first sound out);
 * ``done``: ``response.done``.
@@ -213,6 +214,8 @@ async def session_vad(client, questions: list[bytes], turns: int, start_s: float
                 now = time.perf_counter() - t0 if t0 is not None else float("nan")
                 if ev.type == "input_audio_buffer.speech_stopped":
                     rec.setdefault("speech_stopped_s", now)
+                elif ev.type == "conversation.item.input_audio_transcription.delta":
+                    rec.setdefault("asr_delta_s", now)
                 elif ev.type == "conversation.item.input_audio_transcription.completed":
                     rec["asr_s"] = now
                     rec["transcript"] = ev.transcript
@@ -358,9 +361,11 @@ def pct(xs: list[float], q: float) -> float:
 
 def summarize(concurrency: int, recs: list[dict]) -> dict:
     row = {"concurrency": concurrency, "turns": len(recs)}
-    for key in ("speech_stopped_s", "asr_s", "first_delta_s", "first_segment_s", "first_audio_s", "done_s"):
+    for key in ("speech_stopped_s", "asr_delta_s", "asr_s", "first_delta_s", "first_segment_s", "first_audio_s",
+                "done_s"):
         xs = [r[key] for r in recs if key in r]
-        row[key] = {"p50": pct(xs, 50), "p90": pct(xs, 90), "mean": statistics.fmean(xs) if xs else float("nan")}
+        row[key] = {"p50": pct(xs, 50), "p90": pct(xs, 90), "p95": pct(xs, 95),
+                    "mean": statistics.fmean(xs) if xs else float("nan")}
     row["completed"] = sum(r.get("status") in ("completed", "incomplete") for r in recs)
     return row
 
@@ -433,14 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     ms = lambda s: f"{s * 1000:7.0f}"  # noqa: E731
     print()
     if args.vad:
-        print(f"{'sessions':>8} | {'turns':>5} | {'speech_stopped p50':>18} | {'transcript p50':>14} | "
-              f"{'first delta p50 / p90':>21} | {'first audio p50 / p90':>21} | {'done p50':>8}")
-        print("-" * 112)
+        cols = [("speech_stopped_s", "speech_stopped"), ("asr_delta_s", "transcript delta"),
+                ("first_delta_s", "first text delta"), ("first_audio_s", "first audio"), ("done_s", "done")]
+        print(f"{'sessions':>8} | {'turns':>5} | " + " | ".join(f"{name + ' p50 / p95':>26}" for _, name in cols))
+        print("-" * (18 + 29 * len(cols)))
         for r in rows:
-            print(f"{r['concurrency']:>8} | {r['turns']:>5} | {ms(r['speech_stopped_s']['p50']):>18} | "
-                  f"{ms(r['asr_s']['p50']):>14} | {ms(r['first_delta_s']['p50'])} / "
-                  f"{ms(r['first_delta_s']['p90']):>11} | {ms(r['first_audio_s']['p50'])} / "
-                  f"{ms(r['first_audio_s']['p90']):>11} | {ms(r['done_s']['p50']):>8}")
+            print(f"{r['concurrency']:>8} | {r['turns']:>5} | " + " | ".join(
+                f"{ms(r[key]['p50'])} / {ms(r[key]['p95']):>16}" for key, _ in cols))
         print("(ms after the question's last audio chunk; server VAD, audio out)")
         if barge:
             xs = [b["speech_started_to_done_s"] for b in barge]

@@ -561,10 +561,14 @@ class RealtimeSession:
         item = next((it for it in self.items if it.id == ev.item_id), None)
         if item is None:
             raise ClientError(f"item {ev.item_id!r} is not in the conversation", "item_id", "item_not_found")
-        if item.role != "assistant" or not 0 <= ev.content_index < len(item.parts) or \
-                item.parts[ev.content_index].type != "output_audio":
-            raise ClientError("only an assistant item's output_audio part can be truncated", "content_index",
+        if item.role != "assistant" or not any(p.type == "output_audio" for p in item.parts):
+            raise ClientError(f"item {item.id!r} is a {item.role} item without audio out; only an assistant "
+                              f"item's output_audio part can be truncated", "item_id", "invalid_value")
+        if not 0 <= ev.content_index < len(item.parts) or item.parts[ev.content_index].type != "output_audio":
+            raise ClientError(f"content_index {ev.content_index} is not the item's output_audio part", "content_index",
                               "invalid_value")
+        if ev.audio_end_ms < 0:
+            raise ClientError(f"audio_end_ms must be >= 0, got {ev.audio_end_ms}", "audio_end_ms", "invalid_value")
         if self.active is not None and self.active.item is item:
             await self.cancel_active("client_cancelled")  # the client stopped playing it: nothing more is heard
         part = item.parts[ev.content_index]

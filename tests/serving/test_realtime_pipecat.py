@@ -1,5 +1,6 @@
 """pipecat 1.14's ``OpenAIRealtimeLLMService`` against epd at its defaults: server VAD,
-audio output, nothing configured but the URL and the model.
+audio output, nothing configured but the URL (the server answers to pipecat's default
+model name through ``--served-model-name``).
 
 Served: the embedded default SmolLM2-135M-Instruct with Whisper tiny.en in the encode
 pool, a pd pool and a tts pool (``e:1,pd:1,t:1``). The pipeline is the one pipecat's
@@ -20,11 +21,15 @@ from tests.serving.test_realtime import pcm16
 pytestmark = pytest.mark.slow
 RATE = 24000
 FRAME = RATE * 2 * 20 // 1000  # 20 ms of PCM16, as a transport delivers it
+PIPECAT_DEFAULT_MODEL = "gpt-realtime-2.1"  # OpenAIRealtimeLLMService.Settings' default in pipecat 1.14
 
 
 @pytest.fixture(scope="module")
 def server():
-    with launch(None, "e:1,pd:1,t:1", "--kv-cache-memory-gb", "0.5") as s:
+    # pipecat asks for its default model by name (``?model=gpt-realtime-2.1``); the server
+    # maps that name to its model, as an operator would (``--served-model-name``)
+    with launch(None, "e:1,pd:1,t:1", "--kv-cache-memory-gb", "0.5",
+                "--served-model-name", "SmolLM2-135M-Instruct", PIPECAT_DEFAULT_MODEL) as s:
         yield s
 
 
@@ -74,8 +79,8 @@ class Agent:
 
         self.done: list[tuple[str, str | None]] = []  # each response.done: (status, reason)
         self.log: list[tuple[str, str]] = []  # ("result", call id) sent and ("done", status) heard, in order
-        self.llm = Service(api_key="none", base_url=server.url.replace("http", "ws") + "/v1/realtime",
-                           settings=OpenAIRealtimeLLMService.Settings(model=server.model))
+        # nothing but the key and the URL: pipecat's default model, session and audio settings
+        self.llm = Service(api_key="none", base_url=server.url.replace("http", "ws") + "/v1/realtime")
         for name, fn in (functions or {}).items():
             self.llm.register_function(name, fn)
         self.context = context
@@ -150,6 +155,13 @@ def roles(context) -> list[tuple[str, str]]:
                 content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
             out.append((m["role"], content or ""))
     return out
+
+
+def test_pipecats_default_model_name_is_what_it_asks_for():
+    from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+
+    llm = OpenAIRealtimeLLMService(api_key="none", base_url="ws://127.0.0.1:1/v1/realtime")
+    assert llm._settings.model == PIPECAT_DEFAULT_MODEL  # else the fixture's alias misses it
 
 
 def test_two_spoken_turns_are_answered_in_speech_and_kept_in_the_context(server):

@@ -113,13 +113,18 @@ def test_g711_out_truncate_and_voice_errors(server, offline, synth):
             item = done.response.output[0]
             await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=10**6)
             too_far = await until(conn, lambda e: e.type in ("error", "conversation.item.truncated"), log)
+            await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=-5)
+            negative = await until(conn, lambda e: e.type in ("error", "conversation.item.truncated"), log)
+            user = next(e.item for e in log if e.type == "conversation.item.added" and e.item.role == "user")
+            await conn.conversation.item.truncate(item_id=user.id, content_index=0, audio_end_ms=0)
+            not_audio = await until(conn, lambda e: e.type in ("error", "conversation.item.truncated"), log)
             await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=600)
             cut = await until(conn, lambda e: e.type in ("error", "conversation.item.truncated"), log)
             await conn.conversation.item.retrieve(item_id=item.id)
             got = await until(conn, lambda e: e.type == "conversation.item.retrieved", log)
-            return log, bad, done, too_far, cut, got
+            return log, bad, done, too_far, negative, not_audio, cut, got
 
-    log, bad, done, too_far, cut, got = asyncio.run(go())
+    log, bad, done, too_far, negative, not_audio, cut, got = asyncio.run(go())
     assert bad.type == "error" and bad.error.code == "invalid_voice" and "alloy" in bad.error.message
     rid = done.response.id
     ulaw = b"".join(base64.b64decode(e.delta) for e in of(log, "response.output_audio.delta", rid))
@@ -130,6 +135,10 @@ def test_g711_out_truncate_and_voice_errors(server, offline, synth):
     pcm8 = np.frombuffer(audioop.ulaw2lin(ulaw, 2), dtype="<i2")
     assert np.sqrt(np.mean(pcm8.astype(np.float64) ** 2)) > 300  # speech, not silence
     assert too_far.type == "error" and too_far.error.param == "audio_end_ms"
+    assert negative.type == "error" and negative.error.param == "audio_end_ms"
+    assert "must be >= 0" in negative.error.message, negative.error.message
+    # the item is the mistake (a user message), not the content index
+    assert not_audio.type == "error" and not_audio.error.param == "item_id", not_audio.error
     assert cut.type == "conversation.item.truncated" and cut.audio_end_ms == 600
     full = done.response.output[0].content[0].transcript
     heard = got.item.content[0].transcript
