@@ -12,7 +12,16 @@ from epd.launch_config import (DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIE
                                WORKER_ENGINE_FLAGS, LaunchConfig,
                                int_list)
 from epd.roles import ROLE_NAMES, Role
-from epd.tts import ENGINES as TTS_ENGINES
+
+
+def _tts_engine(text: str) -> str:
+    """argparse type of ``--tts-engine``: an engine name or a voice directory (epd.tts.check_engine)."""
+    from epd.tts import check_engine
+
+    try:
+        return check_engine(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -439,9 +448,9 @@ def _add_worker_parser(sub) -> None:
                    help="model and KV cache dtype (default: auto: bfloat16 where the device computes it "
                         "natively (AVX512_BF16/AMX CPUs, bf16 GPUs), else float32); every prefill and decode "
                         "worker of a deployment must use the same")
-    w.add_argument("--tts-engine", default="espeak", choices=TTS_ENGINES,
-                   help="a tts worker's synthesizer: espeak (eSpeak NG, embedded; default) "
-                        "(see epd.tts.load_synthesizer)")
+    w.add_argument("--tts-engine", default="espeak", type=_tts_engine,
+                   help="a tts worker's synthesizer: espeak (eSpeak NG, embedded; default), or the directory "
+                        "of a Piper voice, NAME.onnx + NAME.onnx.json (needs epd[piper]; see epd.tts.load_synthesizer)")
     w.add_argument("--compile", action="store_true",
                    help="run the model through torch.compile (slower start, faster steps on GPUs)")
     w.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 
 from epd.launch_spec import LaunchSpecError, parse_pools, parse_tp
 from epd.roles import Role
-from epd.tts import ENGINES as TTS_ENGINES
+from epd.tts import check_engine as check_tts_engine
 
 __all__ = ["LaunchConfig", "ROUTING_POLICIES", "KV_FAILURE_POLICIES", "WORKER_ENGINE_FLAGS", "DTYPE_NAMES",
            "TOOL_CALL_PARSERS"]
@@ -140,8 +140,11 @@ class LaunchConfig:
             raise LaunchSpecError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise LaunchSpecError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        if self.tts_engine is not None and self.tts_engine not in TTS_ENGINES:
-            raise LaunchSpecError(f"tts_engine must be one of {TTS_ENGINES}, got {self.tts_engine!r}")
+        if self.tts_engine is not None:
+            try:
+                check_tts_engine(self.tts_engine)
+            except ValueError as e:
+                raise LaunchSpecError(f"tts_engine: {e}") from None
         if not self.kv_overlap_weight >= 0:  # also rejects nan
             raise LaunchSpecError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
         for name in ("threads_per_worker", "max_pending_requests", "max_n", "kv_staging_mb", "max_realtime_sessions"):

@@ -155,7 +155,7 @@ def test_launch_refuses_bad_engine_settings_before_starting_workers():
         LaunchConfig(max_prefill_tokens_with_decodes=-5)
     with pytest.raises(LaunchSpecError, match="dtype must be one of"):
         LaunchConfig(dtype="fp8")
-    with pytest.raises(LaunchSpecError, match=r"tts_engine must be one of \('espeak',\), got 'espek'"):
+    with pytest.raises(LaunchSpecError, match=r"tts_engine: unknown TTS engine .espek.: use one of .espeak."):
         LaunchConfig(tts_engine="espek")  # else each tts worker dies at start-up, and the launch with it
     assert LaunchConfig(tts_engine="espeak").forwarded_worker_args() == ["--tts-engine", "espeak"]
     args = LaunchConfig(max_prefill_tokens_with_decodes=0, dtype="float32", compile=True,

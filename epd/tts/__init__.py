@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # numpy is the synthesizers' (kept out of `epd`'s start: `epd launch` checks ENGINES)
     import numpy as np
 
-__all__ = ["SAMPLE_RATE", "Synthesizer", "UnknownVoiceError", "load_synthesizer"]
+__all__ = ["ENGINES", "SAMPLE_RATE", "Synthesizer", "UnknownVoiceError", "check_engine", "load_synthesizer"]
 
 #: Hz of every synthesizer's output (OpenAI realtime's pcm16: 24 kHz, mono, int16)
 SAMPLE_RATE = 24000
@@ -60,21 +60,28 @@ class Synthesizer(ABC):
         self.close()
 
 
-def load_synthesizer(spec: str = "espeak") -> Synthesizer:
-    """The synthesizer named by ``spec``: ``"espeak"`` (eSpeak NG, embedded, the default).
+def check_engine(spec: str) -> str:
+    """``spec`` if it names a synthesizer :func:`load_synthesizer` can build: one of
+    :data:`ENGINES`, or a directory (a Piper voice). Checks the name only, loads nothing;
+    raises ``ValueError`` naming what is accepted."""
+    if spec.strip().lower() in ENGINES or os.path.isdir(os.path.expanduser(spec)):
+        return spec
+    raise ValueError(f"unknown TTS engine {spec!r}: use one of {', '.join(repr(e) for e in ENGINES)}, "
+                     f"or the directory of a Piper voice (NAME.onnx + NAME.onnx.json)")
 
-    A path to a local directory is reserved for neural voices (Piper, Kokoro), not
-    available yet. Raises ``ValueError`` for any other spec, naming the engines that exist.
+
+def load_synthesizer(spec: str = "espeak") -> Synthesizer:
+    """The synthesizer named by ``spec``: ``"espeak"`` (eSpeak NG, embedded, the default),
+    or a local directory holding a Piper voice (``epd.tts.piper.PiperSynthesizer``).
+
+    Raises ``ValueError``: an unknown name (naming the engines), or a directory that is
+    not a loadable Piper voice; ``ImportError``: a Piper voice without ``piper-tts``.
     """
-    name = spec.strip().lower()
-    if name == "espeak":
+    check_engine(spec)
+    if spec.strip().lower() == "espeak":
         from epd.tts.espeak import EspeakSynthesizer
 
         return EspeakSynthesizer()
-    engines = ", ".join(repr(e) for e in ENGINES)
-    if os.path.isdir(os.path.expanduser(spec)):
-        raise ValueError(
-            f"TTS engine {spec!r} is a directory: neural voices (Piper, Kokoro) from a local "
-            f"directory are not supported yet; engines: {engines}"
-        )
-    raise ValueError(f"unknown TTS engine {spec!r}; engines: {engines}")
+    from epd.tts.piper import PiperSynthesizer
+
+    return PiperSynthesizer(spec)

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from epd.tts import SAMPLE_RATE, Synthesizer, UnknownVoiceError
+from epd.tts.resample import StreamResampler
 
 __all__ = ["MAX_TEXT_CHARS", "OPENAI_VOICES", "EspeakSynthesizer"]
 
@@ -65,7 +66,7 @@ _RAND_SEED = 1  # eSpeak's noise generator, reseeded before each phrase (else it
 _SynthCallback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
 _RAW_VOICE = re.compile(r"([A-Za-z0-9_-]{1,40})(?:\+([A-Za-z0-9_-]{1,40}))?")
 # C0 controls other than tab/newline/CR, and DEL: eSpeak reads \x01 as an embedded command
-_CONTROLS = {c: " " for c in [*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F]}
+CONTROLS = {c: " " for c in [*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F]}
 
 _LOCK = threading.Lock()  # eSpeak NG's global state: one voice change or synthesis at a time
 _library: _Library | None = None
@@ -135,45 +136,6 @@ def _get_library() -> _Library:
         return _library
 
 
-class _StreamResampler:
-    """Band-limited resampling of a stream, chunk by chunk, equal to one
-    ``torchaudio.functional.resample`` of the whole stream: torchaudio's polyphase sinc
-    kernel, applied with numpy to each block of ``orig`` input samples (the rates divided
-    by their gcd) as soon as its filter support (``width`` samples each side) has arrived.
-    numpy's einsum runs on the calling thread; torch's conv1d would wake its thread pool,
-    whose spinning starves the synthesis thread on a small machine."""
-
-    def __init__(self, resample) -> None:  # a torchaudio.transforms.Resample
-        self._orig, self._new = resample.orig_freq // resample.gcd, resample.new_freq // resample.gcd
-        self._width = resample.width
-        self._kernel = resample.kernel[:, 0, :].T.contiguous().numpy()  # [2 * width + orig, new]
-        self._buf = np.zeros(self._width, np.float32)  # from the next block's start - width
-        self._seen = 0  # input samples pushed
-        self._done = 0  # output samples produced
-
-    def push(self, pcm: np.ndarray) -> np.ndarray:
-        """``[n] int16`` in; ``[m] int16`` out at the new rate (possibly empty)."""
-        self._buf = np.concatenate([self._buf, pcm.astype(np.float32)])
-        self._seen += len(pcm)
-        return self._blocks((len(self._buf) - 2 * self._width) // self._orig)
-
-    def flush(self) -> np.ndarray:
-        """The rest of the stream, zero-padded at its end like the one-shot resample."""
-        self._buf = np.concatenate([self._buf, np.zeros(self._width + self._orig, np.float32)])
-        total = -(-self._seen * self._new // self._orig)
-        return self._blocks((len(self._buf) - 2 * self._width) // self._orig, total - self._done)
-
-    def _blocks(self, n: int, keep: int | None = None) -> np.ndarray:
-        """Convert the next ``n`` blocks (keeping ``keep`` output samples) and drop their input."""
-        if n < 1:
-            return np.zeros(0, np.int16)
-        frames = np.lib.stride_tricks.sliding_window_view(self._buf, len(self._kernel))[:: self._orig][:n]
-        out = np.einsum("bk,kc->bc", frames, self._kernel).reshape(-1)[:keep]
-        self._buf = self._buf[n * self._orig:]
-        self._done += len(out)
-        return np.clip(np.rint(out), -32768, 32767).astype(np.int16)
-
-
 class EspeakSynthesizer(Synthesizer):
     """eSpeak NG voices (the C API of speak_lib.h), speaking at the default rate.
 
@@ -226,7 +188,7 @@ class EspeakSynthesizer(Synthesizer):
         if len(text) > MAX_TEXT_CHARS:
             raise ValueError(f"text has {len(text)} characters; at most {MAX_TEXT_CHARS} per phrase")
         name = self.espeak_voice(voice)
-        text = text.translate(_CONTROLS)
+        text = text.translate(CONTROLS)
         if not text.strip():
             return iter(())
         return self._stream(text, name)
@@ -250,7 +212,7 @@ class EspeakSynthesizer(Synthesizer):
 
         thread = threading.Thread(target=run, name="espeak-synth", daemon=True)
         thread.start()
-        resampler = _StreamResampler(self._resample)
+        resampler = StreamResampler(self._resample)
         try:
             while (item := chunks.get()) is not None:
                 if isinstance(item, BaseException):

@@ -109,7 +109,7 @@ def test_early_close_aborts_synthesis(synth, monkeypatch):
 
 
 def test_load_synthesizer_specs(tmp_path):
-    with pytest.raises(ValueError, match="not supported yet.*'espeak'"):
+    with pytest.raises(ValueError, match="exactly one Piper voice model"):  # a directory: a Piper voice
         load_synthesizer(str(tmp_path))
     with pytest.raises(ValueError, match="unknown TTS engine 'piper'.*'espeak'"):
         load_synthesizer("piper")
