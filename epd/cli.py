@@ -1,4 +1,4 @@
-"""``epd`` command line: generate, launch, serve, worker, keys generate, model create-tiny, bench, diagnose."""
+"""``epd`` command line: generate, launch, serve, worker, keys generate, model create-tiny, bench, diagnose, plan."""
 
 from __future__ import annotations
 
@@ -492,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.diagnose import add_parser as add_diagnose_parser
 
     add_diagnose_parser(sub)  # `epd diagnose`: a running server's bottleneck from its /metrics (epd/diagnose.py)
+    from epd.plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)  # `epd plan`: profile a server, size the pools for a workload and SLOs (epd/plan.py)
     return parser
 
 

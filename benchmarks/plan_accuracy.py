@@ -1,0 +1,132 @@
+"""``epd plan`` accuracy: predicted against measured p90 TTFT and ITL on a trace replay.
+
+1. ``epd launch --pools p:1,d:1`` of a tiny random llama widened to hidden 256 x 4 layers
+   (built in the run, as tests/serving/test_diagnose_server.py), then ``epd plan profile``;
+2. ``epd plan recommend`` for rows of the Azure LLM 2023 conversation trace
+   (../shared/traces), lengths x ``--scale``, times rescaled to each ``--rate``, under the
+   SLOs;
+3. ``epd launch`` of the recommended pools and ``epd bench --workload trace`` of the same
+   rows at the same rate (same scale, synthetic text calibrated to the model's tokenizer);
+   measured p90 TTFT, p90 ITL (chunk gaps) and p90 TPOT against the predictions, and the
+   prefill workers' own mean prefill and prefill-queue time over the replay (``/metrics``)
+   against the profile's mean prefill time for the same rows: where the replay's prefill is
+   slower than the profile's, the workers interfere (here: the P and D processes share 2 cores).
+
+    python benchmarks/plan_accuracy.py                 # rates 4 and 12 req/s, 120 rows (~4 min on 2 cores)
+    python benchmarks/plan_accuracy.py --rates 8 --rows 60
+
+Writes benchmarks/results/plan_accuracy.json (profile, recommendations, bench summaries)
+and prints the table (markdown) that benchmarks/README.md quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from disagg_vs_agg import _load, serve  # noqa: E402 - the launch helper of the serving benchmark
+
+import httpx  # noqa: E402
+
+from epd.diagnose import Window, metrics_url, scrape  # noqa: E402
+from epd.plan import PrefillFit, trace_workload  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+
+
+def small_llama(path: Path) -> str:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from epd.tiny import create_tiny_model
+
+    path = create_tiny_model("llama", path)
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 256, 768, 4
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+def epd(*args: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "epd.cli", *args], capture_output=True, text=True, timeout=timeout_s)
+    if r.returncode not in (0, 1):
+        raise RuntimeError(f"epd {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return r
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
+
+
+def _err(pred: float, meas: float | None) -> str:
+    return "-" if not meas else f"{(pred - meas) / meas * 100:+.0f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 12.0])
+    ap.add_argument("--rows", type=int, default=120)
+    ap.add_argument("--scale", type=float, default=0.5)
+    ap.add_argument("--ttft-slo", type=float, default=0.5)
+    ap.add_argument("--itl-slo", type=float, default=0.02)
+    ap.add_argument("--max-devices", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plan_accuracy.json")
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="plan_accuracy_"))
+    model = small_llama(work / "llama")
+    profile = work / "profile.json"
+    print(f"profiling p:1,d:1 (load {_load()})", flush=True)
+    with serve(model, "p:1,d:1", "0,1", 1, work / "profile.log") as url:
+        print(epd("plan", "profile", "--url", url, "--out", str(profile), "--repeats", "2",
+                  "--lengths", "64,256,512,1024,2000").stdout, flush=True)
+    results: dict = {"profile": json.loads(profile.read_text()), "runs": [], "trace": str(TRACE), "rows": args.rows,
+                     "scale": args.scale, "slo": {"ttft_s": args.ttft_slo, "itl_s": args.itl_slo}}
+    rows = []
+    for rate in args.rates:
+        rec = json.loads(epd("plan", "recommend", "--profile", str(profile), "--trace", str(TRACE), "--limit",
+                             str(args.rows), "--scale", str(args.scale), "--max-model-len", "2048", "--rate",
+                             str(rate), "--ttft-slo", str(args.ttft_slo), "--itl-slo", str(args.itl_slo),
+                             "--max-devices", str(args.max_devices), "--json").stdout)
+        pools = f"p:{rec['replicas']['prefill']},d:{rec['replicas']['decode']}"
+        print(f"rate {rate:g}: recommended {rec['pools']} (predicted p90 TTFT {_ms(rec['predicted']['ttft_p90_s'])} ms,"
+              f" ITL {_ms(rec['predicted']['itl_p90_s'])} ms); replaying (load {_load()})", flush=True)
+        bench_out = work / f"bench_{rate:g}.json"
+        with serve(model, pools, "0,1", 1, work / f"serve_{rate:g}.log") as url, httpx.Client(timeout=10) as client:
+            before = scrape(client, metrics_url(url))
+            epd("bench", "--base-url", url, "--workload", "trace", "--trace", str(TRACE), "--num-requests",
+                str(args.rows), "--trace-scale", str(args.scale), "--rate", str(rate), "--tokenizer", model,
+                "--ttft-slo", str(args.ttft_slo), "--tpot-slo", str(args.itl_slo), "--out", str(bench_out),
+                "--no-plots", "--no-progress")
+            window = Window(before, scrape(client, metrics_url(url)))
+        stages = {name: window.histogram(f"epd_{name}_seconds", "prefill") for name in ("prefill", "prefill_queue")}
+        w = trace_workload(TRACE, args.rows, 0, args.scale, 2048, rate)
+        predicted_prefill_s = float(PrefillFit(**results["profile"]["prefill"]).seconds(w.input_len).mean())
+        summary = json.loads(bench_out.read_text())["runs"][0]["summary"]
+        server = {"prefill_mean_s": stages["prefill"].mean, "prefill_queue_mean_s": stages["prefill_queue"].mean,
+                  "profile_prefill_mean_s": predicted_prefill_s}
+        results["runs"].append({"rate": rate, "recommend": rec, "bench": summary, "server": server, "load": _load()})
+        p, m = rec["predicted"], summary
+        rows.append(f"| {rate:g} | {rec['pools']} | {_ms(p['ttft_p90_s'])} | {_ms(m['ttft_s']['p90'])} | "
+                    f"{_err(p['ttft_p90_s'], m['ttft_s']['p90'])} | {_ms(p['itl_p90_s'])} | {_ms(m['itl_s']['p90'])} | "
+                    f"{_err(p['itl_p90_s'], m['itl_s']['p90'])} | {_ms(m['tpot_s']['p90'])} | {_ms(predicted_prefill_s)} | "
+                    f"{_ms(server['prefill_mean_s'])} | {_ms(server['prefill_queue_mean_s'])} | {_load()[0]} |")
+    table = ["| rate req/s | recommended | TTFT p90 predicted ms | measured | error | ITL p90 predicted ms | "
+             "measured | error | TPOT p90 measured ms | prefill mean: profile ms | replay ms | "
+             "prefill queue mean ms | load 1m |", "|" + "---|" * 13] + rows
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print("\n".join(table))
+    print(f"wrote {args.out} at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

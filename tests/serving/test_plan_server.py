@@ -1,0 +1,57 @@
+"""``epd plan profile`` on a real server (`epd launch`, ``p:1,d:1``, real workers, CPU), then
+``epd plan recommend`` from the saved profile: the profile grows with the input length and
+has positive fits; a heavier workload gets more prefill instances than a light one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.serving.conftest import launch
+from tests.serving.test_diagnose_server import THREADS, small_llama  # noqa: F401 - the widened tiny llama fixture
+
+pytestmark = pytest.mark.slow
+
+
+def plan(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "epd.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def test_profile_a_server_then_recommend(small_llama, tmp_path):  # noqa: F811 - the fixture
+    out = tmp_path / "profile.json"
+    with launch(small_llama, "p:1,d:1", "--kv-cache-memory-gb", "0.3", *THREADS) as server:
+        r = plan("profile", "--url", server.url, "--out", str(out), "--lengths", "64,512,1536", "--repeats", "2",
+                 "--batches", "1,4,8", "--contexts", "64", "--decode-tokens", "48")
+    assert r.returncode == 0, r.stderr + r.stdout
+    prof = json.loads(out.read_text())
+    assert prof["pools"] == {"prefill": 1, "decode": 1}
+    assert prof["model"]
+    by_len: dict[int, list[float]] = {}
+    for n, prefill_s, ttft_s in prof["prefill_points"]:
+        assert 0 < prefill_s <= ttft_s
+        by_len.setdefault(int(n), []).append(prefill_s)
+    means = [sum(v) / len(v) for _, v in sorted(by_len.items())]
+    assert means == sorted(means), prof["prefill_points"]  # monotone in the input length
+    f, d = prof["prefill"], prof["decode"]
+    assert f["c1"] + f["c2"] > 0 and f["overhead_s"] >= 0
+    assert d["a"] > 0 and d["a"] + d["b"] * 8 > d["a"] + d["b"]  # ITL grows with the batch
+    assert all(itl > 0 for _, _, itl in prof["decode_points"])
+
+    # one 1536-token prefill at 2.5x the rate this one instance can serve needs more prefill instances
+    one_s = f["c0"] + f["c1"] * 1536 + f["c2"] * 1536 ** 2
+    slo = dict(ttft=f"{4 * one_s + f['overhead_s'] + 0.05:.4g}", itl=f"{3 * d['a'] + 24 * d['b'] + 0.01:.4g}")
+    light = plan("recommend", "--profile", str(out), "--isl-mean", "1536", "--osl-mean", "16",
+                 "--rate", f"{0.3 / one_s:.4g}", "--num-requests", "200", "--ttft-slo", slo["ttft"],
+                 "--itl-slo", slo["itl"], "--json")
+    heavy = plan("recommend", "--profile", str(out), "--isl-mean", "1536", "--osl-mean", "16",
+                 "--rate", f"{2.5 / one_s:.4g}", "--num-requests", "200", "--ttft-slo", slo["ttft"],
+                 "--itl-slo", slo["itl"], "--json")
+    assert light.returncode == 0 and heavy.returncode == 0, light.stderr + heavy.stderr
+    lo, hi = json.loads(light.stdout), json.loads(heavy.stdout)
+    assert lo["replicas"]["prefill"] == 1, lo
+    assert hi["replicas"]["prefill"] >= 3, hi
+    assert hi["predicted"]["ttft_p90_s"] <= hi["slo"]["ttft_s"]
