@@ -14,6 +14,7 @@
 
     python benchmarks/plan_accuracy.py                 # rates 4 and 12 req/s, 120 rows (~4 min on 2 cores)
     python benchmarks/plan_accuracy.py --rates 8 --rows 60
+    python benchmarks/plan_accuracy.py --prefill-under-decode 4   # prefill profiled under decode load
 
 Writes benchmarks/results/plan_accuracy.json (profile, recommendations, bench summaries)
 and prints the table (markdown) that benchmarks/README.md quotes.
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-slo", type=float, default=0.5)
     ap.add_argument("--itl-slo", type=float, default=0.02)
     ap.add_argument("--max-devices", type=int, default=4)
+    ap.add_argument("--prefill-under-decode", type=int, default=0,
+                    help="epd plan profile's decode streams while prefill is timed")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plan_accuracy.json")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="plan_accuracy_"))
@@ -86,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"profiling p:1,d:1 (load {_load()})", flush=True)
     with serve(model, "p:1,d:1", "0,1", 1, work / "profile.log") as url:
         print(epd("plan", "profile", "--url", url, "--out", str(profile), "--repeats", "2",
-                  "--lengths", "64,256,512,1024,2000").stdout, flush=True)
+                  "--lengths", "64,256,512,1024,2000",
+                  "--prefill-under-decode", str(args.prefill_under_decode)).stdout, flush=True)
     results: dict = {"profile": json.loads(profile.read_text()), "runs": [], "trace": str(TRACE), "rows": args.rows,
+                     "prefill_under_decode": args.prefill_under_decode,
                      "scale": args.scale, "slo": {"ttft_s": args.ttft_slo, "itl_s": args.itl_slo}}
     rows = []
     for rate in args.rates:
@@ -116,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         p, m = rec["predicted"], summary
         rows.append(f"| {rate:g} | {rec['pools']} | {_ms(p['ttft_p90_s'])} | {_ms(m['ttft_s']['p90'])} | "
                     f"{_err(p['ttft_p90_s'], m['ttft_s']['p90'])} | {_ms(p['itl_p90_s'])} | {_ms(m['itl_s']['p90'])} | "
-                    f"{_err(p['itl_p90_s'], m['itl_s']['p90'])} | {_ms(m['tpot_s']['p90'])} | {_ms(predicted_prefill_s)} | "
+                    f"{_err(p['itl_p90_s'], m['itl_s']['p90'])} | {_ms(m['tpot_s']['p90'])} | "
+                    f"{_ms(predicted_prefill_s)} | "
                     f"{_ms(server['prefill_mean_s'])} | {_ms(server['prefill_queue_mean_s'])} | {_load()[0]} |")
     table = ["| rate req/s | recommended | TTFT p90 predicted ms | measured | error | ITL p90 predicted ms | "
              "measured | error | TPOT p90 measured ms | prefill mean: profile ms | replay ms | "

@@ -14,7 +14,10 @@ smallest that meets the SLOs.
   at a time, ``max_tokens=1``. Per request, the prefill workers' ``epd_prefill_seconds``
   (delta of the histogram over the request, read from ``/metrics`` with epd.diagnose's
   parser) is the service time and the client's TTFT minus it is the fixed overhead (API,
-  routing, KV transfer, first decode step). Fit: ``prefill_s = c0 + c1*n + c2*n^2``
+  routing, KV transfer, first decode step); a window that also holds another request's
+  prefill is measured again. ``--prefill-under-decode S`` keeps S long decode streams
+  running meanwhile, for workers that share cores or a device (their interference is
+  otherwise missing from the profile). Fit: ``prefill_s = c0 + c1*n + c2*n^2``
   (least squares, coefficients clipped at >= 0), ``n`` input tokens.
 - decode: for each context (prompt length, default 64 and 512) and batch size (default
   1, 2, 4, 8), that many concurrent requests of ``--decode-tokens`` tokens (``ignore_eos``).
@@ -42,10 +45,11 @@ only depends on ``M`` and decode on ``K`` (given the prefill ends), so the searc
 smallest ``M`` meeting the TTFT SLO, then the smallest ``K`` meeting the ITL SLO, within
 ``--max-devices`` (``M*tp_p + K*tp_d``; TP is the profile's ``tp`` per pool, which
 ``profile`` writes as 1: the TP of the profiled workers is not read from the server, so a
-profile of TP workers needs its ``tp`` edited). ``e:N``: the traces hold no media, so the encode pool is 0 (the profile's encode
-instances are not sized). Not modelled: KV capacity (preemption when a decode instance's
-cache is full), ``max_num_seqs``, prefix-cache hits, and chunked prefill sharing steps
-with decodes (aggregated ``pd`` pools).
+profile of TP workers needs its ``tp`` edited). ``e:N``: the traces hold no media, so the
+encode pool is 0 (the profile's encode instances are not sized). Not modelled: KV
+capacity (preemption when a decode instance's cache is full), ``max_num_seqs``,
+prefix-cache hits, chunked prefill sharing steps with decodes (aggregated ``pd`` pools),
+and the interference of workers that share cores or a device (see ``--prefill-under-decode``).
 
 ``--apply`` sets the replicas: ``--connector local`` writes ``{"encode": N, "prefill": M,
 "decode": K}`` to ``--state`` (a JSON file), ``--connector kubernetes`` runs
@@ -66,6 +70,7 @@ import math
 import random
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -128,7 +133,7 @@ class Profile:
     """What ``epd plan profile`` measured. ``pools``: live instances per pool on the
     profiled server; ``tp``: tensor-parallel size per pool (1 where unknown);
     ``prefill_points``: ``[input_tokens, prefill_s, ttft_s]``; ``decode_points``:
-    ``[batch, context, itl_s]``."""
+    ``[batch, context, itl_s]``; ``prefill_under_decode``: the decode streams run while prefill was timed."""
 
     model: str
     pools: dict[str, int]
@@ -139,6 +144,7 @@ class Profile:
     tp: dict[str, int] = field(default_factory=dict)
     url: str = ""
     measured_at: str = ""
+    prefill_under_decode: int = 0
 
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -195,7 +201,8 @@ def load_profile(path: str | Path) -> Profile:
                        decode=DecodeFit(**{k: float(d["decode"][k]) for k in ("a", "b", "c")}),
                        prefill_points=d.get("prefill_points", []), decode_points=d.get("decode_points", []),
                        tp={k: int(v) for k, v in d.get("tp", {}).items()}, url=d.get("url", ""),
-                       measured_at=d.get("measured_at", ""))
+                       measured_at=d.get("measured_at", ""),
+                       prefill_under_decode=int(d.get("prefill_under_decode", 0)))
     except FileNotFoundError:
         raise PlanError(f"{path}: no such profile (write one with `epd plan profile --url URL --out {path}`)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -229,11 +236,41 @@ def _complete(client, base: str, model: str, prompt: list[int], max_tokens: int)
     return time.perf_counter() - t0
 
 
+class _Background:
+    """``streams`` threads each running long-output requests (64-token prompt, as many
+    tokens as the model's length allows) until :meth:`stop`: decode load on the server."""
+
+    def __init__(self, client, base: str, model: str, streams: int, cap: int | None, rng: random.Random,
+                 vocab_hi: int) -> None:
+        self.done = threading.Event()
+        tokens = max(2, min(512, (cap or 2048) - 64))
+        prompts = [[rng.randrange(10, vocab_hi) for _ in range(64)] for _ in range(streams)]
+
+        def loop(prompt: list[int]) -> None:
+            while not self.done.is_set():
+                try:
+                    _complete(client, base, model, prompt, tokens)
+                except Exception:  # noqa: BLE001 - cancelled by stop(), or the server's own error
+                    return
+
+        self.threads = [threading.Thread(target=loop, args=(p,), daemon=True) for p in prompts]
+        for t in self.threads:
+            t.start()
+        if streams:
+            time.sleep(1.0)  # their prefills are done: the measured windows see only decode steps
+
+    def stop(self) -> None:
+        self.done.set()
+        for t in self.threads:
+            t.join()
+
+
 def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 3, batches=DEFAULT_BATCHES,
-                   contexts=DEFAULT_CONTEXTS, decode_tokens: int = 64, seed: int = 0, timeout_s: float = 300.0,
-                   log=None) -> Profile:
+                   contexts=DEFAULT_CONTEXTS, decode_tokens: int = 64, prefill_background: int = 0, seed: int = 0,
+                   timeout_s: float = 300.0, log=None) -> Profile:
     """Measure ``url``'s prefill and decode (the module docstring says how). Lengths and
     contexts are capped so prompt + output fits the model's ``max_model_len``.
+    ``prefill_background``: decode streams kept running while prefill is timed.
 
     Raises:
         PlanError: the server cannot be read, has no prefill/pd pool, or a request fails.
@@ -254,16 +291,26 @@ def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 
             lens = sorted({min(n, cap) if cap else n for n in lengths})
             vocab_hi = 400  # the tiny models' vocabularies are >= 400; real ones far larger
             _complete(client, base, model, [rng.randrange(10, vocab_hi) for _ in range(16)], 1)  # warm-up
+            background = _Background(client, base, model, prefill_background, cap, rng, vocab_hi)
             prefill_points = []
-            for n in lens:
-                for _ in range(repeats):
-                    before = scrape(client, metrics_url(url))
-                    ttft = _complete(client, base, model, [rng.randrange(10, vocab_hi) for _ in range(n)], 1)
-                    h = Window(before, scrape(client, metrics_url(url))).histogram("epd_prefill_seconds", pool)
-                    if h is None or not h.count:
-                        raise PlanError(f"the {pool} pool observed no epd_prefill_seconds for a request")
-                    prefill_points.append([n, h.sum / h.count, ttft])
-                log(f"prefill {n:5d} tokens: {np.mean([p[1] for p in prefill_points[-repeats:]]) * 1e3:8.1f} ms")
+            try:
+                for n in lens:
+                    got = 0
+                    for _ in range(repeats * 4):  # a window that holds a background prefill is measured again
+                        before = scrape(client, metrics_url(url))
+                        ttft = _complete(client, base, model, [rng.randrange(10, vocab_hi) for _ in range(n)], 1)
+                        h = Window(before, scrape(client, metrics_url(url))).histogram("epd_prefill_seconds", pool)
+                        if h is None or not h.count:
+                            raise PlanError(f"the {pool} pool observed no epd_prefill_seconds for a request")
+                        if h.count == 1:
+                            prefill_points.append([n, h.sum, ttft])
+                            got += 1
+                            if got == repeats:
+                                break
+                    log(f"prefill {n:5d} tokens: {np.mean([p[1] for p in prefill_points[-got:]]) * 1e3:8.1f} ms"
+                        + (f" (under {prefill_background} decode streams)" if prefill_background else ""))
+            finally:
+                background.stop()
             dpool = next((p for p in ("decode", "pd") if p in pools), None)
             if dpool is None:
                 raise PlanError(f"no decode or pd pool in the server's metrics (pools: {', '.join(pools)})")
@@ -289,7 +336,8 @@ def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 
     tp = {p: 1 for p in pools}
     return Profile(model=model, pools=pools, prefill=fit_prefill(prefill_points), decode=fit_decode(decode_points),
                    prefill_points=prefill_points, decode_points=decode_points, tp=tp, url=url,
-                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   prefill_under_decode=prefill_background)
 
 
 # ---- the workload and the simulation ---------------------------------------------------------
@@ -421,7 +469,8 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
     largest tried, ``meets=False``."""
     tp_p, tp_d = profile.tp.get("prefill", 1), profile.tp.get("decode", 1)
     if tp_p + tp_d > max_devices:
-        raise PlanError(f"--max-devices {max_devices} cannot hold one prefill (tp {tp_p}) and one decode (tp {tp_d}) instance")
+        raise PlanError(f"--max-devices {max_devices} cannot hold one prefill (tp {tp_p}) and one decode "
+                        f"(tp {tp_d}) instance")
     tried: list[Prediction] = []
     for m in range(1, (max_devices - tp_d) // tp_p + 1):
         ttft, first = simulate_prefill(workload, profile.prefill, m)
@@ -486,7 +535,7 @@ def _positive_ints(text: str) -> tuple[int, ...]:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand (``profile``, ``recommend``) to an ``argparse`` sub-parser set."""
-    from epd.cli import _positive_int
+    from epd.cli import _non_negative_int, _positive_int
 
     p = sub.add_parser("plan", help="profile a running server and size the pools for a workload and SLOs",
                        description=__doc__.split("\n\n")[0])
@@ -501,6 +550,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pr.add_argument("--contexts", type=_positive_ints, default=DEFAULT_CONTEXTS,
                     help="decode prompt lengths, tokens (default: 64,512)")
     pr.add_argument("--decode-tokens", type=_positive_int, default=64, help="tokens per decode request")
+    pr.add_argument("--prefill-under-decode", type=_non_negative_int, default=0, metavar="STREAMS",
+                    help="time prefill while this many long decode streams run (co-located workers that share "
+                         "cores or a device interfere; default 0: prefill alone)")
     pr.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds one request may take")
     pr.set_defaults(func=cmd_profile)
 
@@ -541,7 +593,8 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     try:
         prof = profile_server(args.url, lengths=args.lengths, repeats=args.repeats, batches=args.batches,
-                              contexts=args.contexts, decode_tokens=args.decode_tokens, timeout_s=args.timeout,
+                              contexts=args.contexts, decode_tokens=args.decode_tokens,
+                              prefill_background=args.prefill_under_decode, timeout_s=args.timeout,
                               log=lambda m: print(m, file=sys.stderr))
     except PlanError as e:
         return _fail(args, str(e))

@@ -1,6 +1,7 @@
 """``epd plan profile`` on a real server (`epd launch`, ``p:1,d:1``, real workers, CPU), then
-``epd plan recommend`` from the saved profile: the profile grows with the input length and
-has positive fits; a heavier workload gets more prefill instances than a light one."""
+``epd plan recommend`` from the saved profile (prefill timed under one decode stream): the
+profile grows with the input length and has positive fits; a heavier workload gets more
+prefill instances than a light one."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ def test_profile_a_server_then_recommend(small_llama, tmp_path):  # noqa: F811 -
     out = tmp_path / "profile.json"
     with launch(small_llama, "p:1,d:1", "--kv-cache-memory-gb", "0.3", *THREADS) as server:
         r = plan("profile", "--url", server.url, "--out", str(out), "--lengths", "64,512,1536", "--repeats", "2",
-                 "--batches", "1,4,8", "--contexts", "64", "--decode-tokens", "48")
+                 "--batches", "1,8,32", "--contexts", "64", "--decode-tokens", "48",
+                 "--prefill-under-decode", "1")
     assert r.returncode == 0, r.stderr + r.stdout
     prof = json.loads(out.read_text())
     assert prof["pools"] == {"prefill": 1, "decode": 1}
-    assert prof["model"]
+    assert prof["model"] and prof["prefill_under_decode"] == 1
     by_len: dict[int, list[float]] = {}
     for n, prefill_s, ttft_s in prof["prefill_points"]:
         assert 0 < prefill_s <= ttft_s
@@ -38,7 +40,7 @@ def test_profile_a_server_then_recommend(small_llama, tmp_path):  # noqa: F811 -
     assert means == sorted(means), prof["prefill_points"]  # monotone in the input length
     f, d = prof["prefill"], prof["decode"]
     assert f["c1"] + f["c2"] > 0 and f["overhead_s"] >= 0
-    assert d["a"] > 0 and d["a"] + d["b"] * 8 > d["a"] + d["b"]  # ITL grows with the batch
+    assert d["a"] > 0 and d["b"] > 0  # ITL grows with the batch
     assert all(itl > 0 for _, _, itl in prof["decode_points"])
 
     # one 1536-token prefill at 2.5x the rate this one instance can serve needs more prefill instances
