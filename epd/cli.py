@@ -8,10 +8,15 @@ import os
 import sys
 import time
 
-from epd.launch_config import (DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES, TOOL_CALL_PARSERS,
+from epd.launch_config import (DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES, TOOL_CALL_PARSERS,
                                WORKER_ENGINE_FLAGS, LaunchConfig,
                                int_list)
 from epd.roles import ROLE_NAMES, Role
+
+
+_KV_CACHE_DTYPE_HELP = ("KV cache: auto (the model's dtype), or quantized, int8 or fp8_e4m3 (fp8), one float32 "
+                        "scale per token and KV head: about 3.8x the fp32 blocks per GB; prefill and decode "
+                        "workers must use the same")
 
 
 def _tts_engine(text: str) -> str:
@@ -35,6 +40,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                    help="model and KV cache dtype (default: auto: bfloat16 where the device computes it natively)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto", help=_KV_CACHE_DTYPE_HELP)
     p.add_argument("--device", default="auto")
 
 
@@ -46,7 +52,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-              kv_cache_memory_gb=args.kv_cache_memory_gb, dtype=args.dtype, device=args.device)
+              kv_cache_memory_gb=args.kv_cache_memory_gb, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype, device=args.device)
     load_s = time.monotonic() - t0
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -290,7 +297,7 @@ def _add_launch_parser(sub) -> None:
                             help="forwarded to every worker (see `epd worker --help`)")
             continue
         la.add_argument(flag, type=typ, default=getattr(d, flag[2:].replace("-", "_")),
-                        choices=DTYPE_NAMES if flag == "--dtype" else None,
+                        choices={"--dtype": DTYPE_NAMES, "--kv-cache-dtype": KV_CACHE_DTYPE_NAMES}.get(flag),
                         help="forwarded to every worker (default: the worker's)")
     _add_routing_args(la.add_argument_group("routing"), d)
     _add_recovery_args(la.add_argument_group("failure recovery"), d)
@@ -448,6 +455,7 @@ def _add_worker_parser(sub) -> None:
                    help="model and KV cache dtype (default: auto: bfloat16 where the device computes it "
                         "natively (AVX512_BF16/AMX CPUs, bf16 GPUs), else float32); every prefill and decode "
                         "worker of a deployment must use the same")
+    w.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto", help=_KV_CACHE_DTYPE_HELP)
     w.add_argument("--tts-engine", default="espeak", type=_tts_engine,
                    help="a tts worker's synthesizer: espeak (eSpeak NG, embedded; default), or the directory "
                         "of a Piper voice, NAME.onnx + NAME.onnx.json (needs epd[piper]; see epd.tts.load_synthesizer)")

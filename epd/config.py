@@ -16,6 +16,8 @@ class ConfigError(ValueError):
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+#: ``kv_cache_dtype`` values: the model's dtype, or a quantized cache (epd.kernels.kv_quant)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 
 
 def native_bf16(device: str) -> bool:
@@ -73,7 +75,10 @@ class EngineConfig:
         kv_cache_memory_gb: memory for the KV cache (all layers, K and V), GiB.
         dtype: "auto" (:func:`auto_dtype`: bf16 where the device computes it natively,
             else fp32), or a name ("float32", "bfloat16", "float16"). The KV cache
-            follows it.
+            follows it unless ``kv_cache_dtype`` quantizes it.
+        kv_cache_dtype: "auto" (the model's ``dtype``), or a quantized cache: "int8" or
+            "fp8_e4m3" ("fp8" too, as vLLM's ``kv_cache_dtype``), one float32 scale per
+            token and KV head (``epd.kernels.kv_quant``): ``head_dim + 4`` bytes a row.
         device: "cpu" or "cuda"; "auto" picks cuda when available.
         compile: run the model through ``torch.compile`` (dynamic shapes; the attention
             layers' paged kernels stay outside the graph).
@@ -97,6 +102,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     compile: bool = False
@@ -126,6 +132,11 @@ class EngineConfig:
             self.torch_dtype = _DTYPES[self.dtype]
         else:
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or 'fp8'), "
+                              f"got {self.kv_cache_dtype!r}")
         for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -181,11 +192,29 @@ class EngineConfig:
         cfg = self.text_config
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
+    @property
+    def kv_quant(self) -> str | None:
+        """The quantized KV cache's kind ("int8", "fp8_e4m3"), or None (full precision)."""
+        return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype: the model's, or uint8 (packed rows) when quantized."""
+        return self.torch_dtype if self.kv_quant is None else torch.uint8
+
+    @property
+    def kv_row_elems(self) -> int:
+        """Elements of one (token, KV head) row of the cache: ``head_dim``, or
+        ``head_dim + 4`` bytes (values and their float32 scale) when quantized."""
+        from epd.kernels.kv_quant import scale_bytes
+
+        return self.head_dim + (0 if self.kv_quant is None else scale_bytes(self.head_dim))
+
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V for one block over all layers on one TP rank."""
         cfg = self.text_config
-        elem = torch.tensor([], dtype=self.torch_dtype).element_size()
-        per_token = 2 * cfg.num_hidden_layers * (self.num_kv_heads // self.tensor_parallel_size) * self.head_dim
+        elem = torch.tensor([], dtype=self.kv_storage_dtype).element_size()
+        per_token = 2 * cfg.num_hidden_layers * (self.num_kv_heads // self.tensor_parallel_size) * self.kv_row_elems
         return per_token * self.block_size * elem
 
     def resolve_num_kv_blocks(self) -> int:

@@ -16,6 +16,7 @@ from epd.roles import Role
 from epd.tts import check_engine as check_tts_engine
 
 __all__ = ["LaunchConfig", "ROUTING_POLICIES", "KV_FAILURE_POLICIES", "WORKER_ENGINE_FLAGS", "DTYPE_NAMES",
+           "KV_CACHE_DTYPE_NAMES",
            "TOOL_CALL_PARSERS"]
 
 #: routing policies per pool, the default first (epd.router.policies.POLICIES, kept here so
@@ -33,6 +34,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 #: ``--dtype`` values (epd.config.EngineConfig.dtype)
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+#: ``--kv-cache-dtype``: the model's dtype, or a quantized cache (``fp8`` = ``fp8_e4m3``, as vLLM)
+KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3", "fp8")
 
 def int_list(text: str) -> tuple[int, ...]:
     """``"1,2,4,8"`` -> ``(1, 2, 4, 8)`` (``--cuda-graph-sizes``).
@@ -56,6 +59,7 @@ def int_list(text: str) -> tuple[int, ...]:
 WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
                        ("--max-prefill-tokens-with-decodes", int), ("--kv-cache-memory-gb", float),
                        ("--num-kv-blocks", int), ("--max-model-len", int), ("--dtype", str),
+                       ("--kv-cache-dtype", str),
                        ("--compile", bool), ("--enforce-eager", bool), ("--cuda-graph-sizes", int_list),
                        ("--tts-engine", str))
 
@@ -92,6 +96,7 @@ class LaunchConfig:
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     dtype: str | None = None
+    kv_cache_dtype: str | None = None
     compile: bool | None = None
     enforce_eager: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
@@ -140,6 +145,8 @@ class LaunchConfig:
             raise LaunchSpecError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise LaunchSpecError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise LaunchSpecError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_NAMES}, got {self.kv_cache_dtype!r}")
         if self.tts_engine is not None:
             try:
                 check_tts_engine(self.tts_engine)

@@ -39,7 +39,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_prefill_tokens_with_decodes: int = 256, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
-                 kv_cache_memory_gb: float = 2.0, dtype: str = "auto", device: str = "auto", seed: int = 0,
+                 kv_cache_memory_gb: float = 2.0, dtype: str = "auto", kv_cache_dtype: str = "auto",
+                 device: str = "auto", seed: int = 0,
                  compile: bool = False, enforce_eager: bool = False,
                  audio_mode: str = "auto", encoder_cache_gb: float = 0.5) -> None:
         path = resolve_model(model)
@@ -49,7 +50,7 @@ class LLM:
                               max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                               max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                               num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
-                              dtype=dtype, device=device, seed=seed, compile=compile,
+                              dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device, seed=seed, compile=compile,
                               enforce_eager=enforce_eager)
         self.engine = LLMEngine(config, self.tokenizer)
         self._ids = itertools.count()

@@ -41,6 +41,9 @@ Region = tuple[int, int, int]  # (addr, nbytes, device_id) of registered memory
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+#: a KVLayout's ``dtype``: a float dtype, or a quantized cache's kind (uint8 rows, epd.kernels.kv_quant)
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+              "int8": torch.uint8, "fp8_e4m3": torch.uint8}
 MAX_TENSOR_BYTES = 256 * 2**20
 
 
@@ -121,7 +124,7 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @property
     def block_bytes(self) -> int:
-        elem = torch.tensor([], dtype=_DTYPES[self.dtype]).element_size()
+        elem = torch.tensor([], dtype=_KV_DTYPES[self.dtype]).element_size()
         return self.block_size * self.num_kv_heads * self.head_dim * elem
 
 

@@ -84,9 +84,9 @@ class LLMEngine:
                                   "each TP rank needs its own NIXL agent and device staging buffer (not implemented)")
 
             layers = config.text_config.num_hidden_layers
-            elems = 2 * config.block_size * config.num_kv_heads * config.head_dim
+            elems = 2 * config.block_size * config.num_kv_heads * config.kv_row_elems
             path = StagingPool.new_shm_path("tp") if tp > 1 else None
-            self.staging = StagingPool(layers, kv_staging_blocks, elems, config.torch_dtype, shm_path=path)
+            self.staging = StagingPool(layers, kv_staging_blocks, elems, config.kv_storage_dtype, shm_path=path)
             staging_args = (layers, kv_staging_blocks, elems, path)
         try:
             if tp > 1:

@@ -80,7 +80,8 @@ _CODEC_DECODER = msgspec.msgpack.Decoder(StepInput | KVUnpack | Shutdown)
 class ModelRunner:
     """Holds one TP rank's model shard and KV cache.
 
-    k_cache / v_cache: [num_layers, num_blocks, block_size, num_kv_heads / tp, head_dim].
+    k_cache / v_cache: [num_layers, num_blocks, block_size, num_kv_heads / tp, head_dim], the
+    model's dtype; or, quantized (``kv_cache_dtype``), uint8 rows of ``head_dim + 4`` bytes.
     ``staging``: the instance's staging pool (``epd.transfer.staging``), mapped by
     every rank, or None when the instance moves KV block to block only.
     """
@@ -110,13 +111,15 @@ class ModelRunner:
         load_weights(self.model, config.model)
         self.in_step = False
         self.num_blocks = config.resolve_num_kv_blocks()
-        shape = (hf.num_hidden_layers, self.num_blocks, config.block_size, config.num_kv_heads // tp, config.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
+        shape = (hf.num_hidden_layers, self.num_blocks, config.block_size, config.num_kv_heads // tp,
+                 config.kv_row_elems)
+        self.k_cache = torch.zeros(shape, dtype=config.kv_storage_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=config.kv_storage_dtype, device=self.device)
         attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
         for i, layer in enumerate(attn_layers):
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
             layer.layer_idx = i
+            layer.kv_quant = config.kv_quant
         self.forward = torch.compile(self.model, dynamic=True) if config.compile else self.model
         self.graphs = None
         if config.graph_sizes():
@@ -176,7 +179,7 @@ class ModelRunner:
     def _staged(self, layer: int, start: int, n: int, src_tp: int) -> torch.Tensor:
         view = self.staging.view(layer, start, n)
         return view.view(staging_shape(src_tp, n, self.config.block_size, self.config.num_kv_heads,
-                                       self.config.head_dim))
+                                       self.config.kv_row_elems))
 
     def _pack(self, layer: int, packs: list[tuple[int, list[int]]]) -> None:
         tp = self.config.tensor_parallel_size
@@ -277,7 +280,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
     """The constructor arguments of ``config`` as JSON, for spawning TP ranks."""
     fields = ("model", "tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens",
               "max_prefill_tokens_with_decodes", "max_model_len", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_gb",
-              "dtype", "device", "seed", "compile", "enforce_eager", "cuda_graph_sizes")
+              "dtype", "kv_cache_dtype", "device", "seed", "compile", "enforce_eager", "cuda_graph_sizes")
     return json.dumps({f: getattr(config, f) for f in fields})
 
 
@@ -312,7 +315,7 @@ def tp_worker_main(config_json: str, rank: int, dist_port: int, threads: int | N
         from epd.transfer.staging import StagingPool
 
         layers, blocks, elems, path = staging_args
-        staging = StagingPool(layers, blocks, elems, config.torch_dtype, shm_path=path, create=False)
+        staging = StagingPool(layers, blocks, elems, config.kv_storage_dtype, shm_path=path, create=False)
     runner = ModelRunner(config, rank, dist_port, staging)
     while True:
         msg = _receive_message()

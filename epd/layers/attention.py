@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epd.kernels.kv_quant import dequantize_blocks, quantize_kv
 from epd.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_ref
 from epd.kernels.store_kv import store_kvcache
 
@@ -67,7 +68,10 @@ class Attention(nn.Module):
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads,
     head_dim]; returns [num_tokens, num_heads, head_dim]. ``k_cache`` /
     ``v_cache`` ([num_blocks, block_size, num_kv_heads, head_dim]) are bound by
-    the model runner after the cache is allocated.
+    the model runner after the cache is allocated; with ``kv_quant`` ("int8",
+    "fp8_e4m3") they are uint8 rows of ``head_dim + 4`` bytes (``epd.kernels.kv_quant``):
+    new K/V rows are quantized as they are stored, and the blocks a step reads are
+    dequantized to the model's dtype for the attention kernels.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -76,6 +80,7 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.layer_idx = -1
+        self.kv_quant: str | None = None
 
     # The paged store and attention kernels stay outside torch.compile's graphs (--compile):
     # they read the step's metadata and the cache by reference, and run eagerly between graphs.
@@ -83,14 +88,20 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = _METADATA
         assert md is not None, "attention called outside set_attention_metadata()"
-        store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        quant = self.kv_quant
+        if quant is None:
+            store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+        else:
+            store_kvcache(quantize_kv(k, quant), quantize_kv(v, quant), self.k_cache, self.v_cache, md.slot_mapping)
         if md.layer_hook is not None:
             md.layer_hook(self.layer_idx)
         out = torch.empty_like(q)
         nd = md.num_decode_tokens
         if nd:
-            out[:nd] = paged_decode_attention(q[:nd], self.k_cache, self.v_cache,
-                                              md.decode_block_tables, md.decode_context_lens, self.scale)
+            kc, vc, tables = self.k_cache, self.v_cache, md.decode_block_tables
+            if quant is not None:
+                kc, vc, tables = dequantize_blocks(kc, vc, tables, quant, q.dtype)
+            out[:nd] = paged_decode_attention(q[:nd], kc, vc, tables, md.decode_context_lens, self.scale)
         for p in md.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             if p.context_len == p.q_len:  # no cached prefix: attend to this chunk's own K/V
@@ -99,6 +110,8 @@ class Attention(nn.Module):
                                                    enable_gqa=self.num_heads != self.num_kv_heads)
                 out[rows] = o.transpose(0, 1)
             else:
-                out[rows] = paged_prefill_attention_ref(q[rows], self.k_cache, self.v_cache,
-                                                        p.block_table, p.context_len, self.scale)
+                kc, vc, table = self.k_cache, self.v_cache, p.block_table
+                if quant is not None:
+                    kc, vc, table = dequantize_blocks(kc, vc, table, quant, q.dtype)
+                out[rows] = paged_prefill_attention_ref(q[rows], kc, vc, table, p.context_len, self.scale)
         return out

@@ -56,16 +56,19 @@ __all__ = ["KVReceiver", "KVSend", "KVSender", "NixlKVReceiver", "NixlKVSender",
 
 
 def kv_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, tp: int,
-              staging: StagingPool | None) -> KVLayout:
+              staging: StagingPool | None, kv_quant: str | None = None) -> KVLayout:
     """The ``KVLayout`` a worker advertises to its peers.
 
     ``k_cache`` / ``v_cache``: [num_layers, num_blocks, block_size, num_kv_heads / tp, head_dim]
-    (this rank's paged cache); ``staging``: the instance's staging pool, or None.
+    (this rank's paged cache); ``staging``: the instance's staging pool, or None;
+    ``kv_quant``: a quantized cache's kind ("int8", "fp8_e4m3": uint8 rows of head_dim + 4
+    bytes, advertised with that name as ``dtype`` and the row length as ``head_dim``).
     """
     layers = k_cache.shape[0]
     return KVLayout(
         num_layers=layers, num_blocks=k_cache.shape[1], block_size=block_size,
-        num_kv_heads=k_cache.shape[3], head_dim=k_cache.shape[4], dtype=_DTYPE_NAMES[k_cache.dtype],
+        num_kv_heads=k_cache.shape[3], head_dim=k_cache.shape[4],
+        dtype=kv_quant if kv_quant is not None else _DTYPE_NAMES[k_cache.dtype],
         k_regions=[(k_cache[i].data_ptr(), k_cache[i].nbytes, 0) for i in range(layers)],
         v_regions=[(v_cache[i].data_ptr(), v_cache[i].nbytes, 0) for i in range(layers)],
         tp=tp, staging_regions=staging.layer_regions() if staging is not None else [],
@@ -218,7 +221,8 @@ class NixlKVSender(KVSender):
         d = self.peers[req.decode_instance].kv_layout
         if d.dtype != self.layout.dtype:
             raise InternalError(f"decode instance {req.decode_instance} holds a {d.dtype} KV cache, this prefill "
-                                f"instance a {self.layout.dtype} one: start both with the same --dtype")
+                                f"instance a {self.layout.dtype} one: start both with the same --dtype "
+                                f"and --kv-cache-dtype")
         if req.decode_staging_block < 0:
             if self.tp != 1 or d.tp != 1:
                 raise InternalError(

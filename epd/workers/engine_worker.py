@@ -38,7 +38,8 @@ class EngineWorker(BaseWorker):
         if self.staging is not None:
             tensors.append(self.staging.buffer)  # rank 0's agent registers every rank's staging part
         regions = self.transport.register(tensors)
-        self.kv_layout = kv_layout(runner.k_cache, runner.v_cache, config.block_size, args.tp, self.staging)
+        self.kv_layout = kv_layout(runner.k_cache, runner.v_cache, config.block_size, args.tp, self.staging,
+                                   config.kv_quant)
         self.regions = regions
         # Prefill / aggregated instances report their prefix cache for KV-aware routing.
         if self.role in (Role.PREFILL, Role.PD) and args.rank == 0:
@@ -49,9 +50,9 @@ class EngineWorker(BaseWorker):
         """Staging blocks (one block of K and V of every KV head, all layers) in ``staging_mb`` MiB."""
         if staging_mb <= 0:
             return 0
-        elem = torch.tensor([], dtype=config.torch_dtype).element_size()
+        elem = torch.tensor([], dtype=config.kv_storage_dtype).element_size()
         per_block = (config.text_config.num_hidden_layers * 2 * config.block_size * config.num_kv_heads
-                     * config.head_dim * elem)
+                     * config.kv_row_elems * elem)
         return max(1, staging_mb * 2**20 // per_block)
 
     def send_kv_events(self) -> None:
@@ -129,6 +130,9 @@ class EngineWorker(BaseWorker):
     def stats(self) -> dict[str, float]:
         s = self.engine.stats()
         s["kv_transfer_requests"] = self.transport.num_requests
+        cfg = self.engine.config
+        s["kv_block_bytes"] = cfg.kv_bytes_per_block()  # all layers, K and V, this rank
+        s["kv_blocks_per_gb"] = 2**30 // cfg.kv_bytes_per_block()
         if self.staging is not None:
             s["num_staging_blocks"] = self.staging.num_blocks
             s["num_free_staging_blocks"] = self.staging.num_free_blocks

@@ -128,6 +128,29 @@ def test_kv_bytes_moved_equal_request_kv_size(llava_dir):
             assert re.search(rf"^{name}\{{[^}}]*\}} [0-9.e+]+$", metrics, re.M), name
 
 
+def test_quantized_kv_crosses_as_its_bytes_and_decodes_as_offline(llava_dir):
+    """``--kv-cache-dtype int8`` on p:1,d:1: the prefill worker's packed rows (values and
+    scales) are what NIXL moves, and the decode worker reads them as the offline engine
+    with the same cache does (greedy tokens equal)."""
+    prompt = list(range(20, 61))  # 41 tokens -> 6 blocks of 8
+    llm = LLM(llava_dir, dtype="float32", kv_cache_dtype="int8", block_size=8, kv_cache_memory_gb=0.05)
+    expected = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8,
+                                                                         ignore_eos=True))[0].outputs[0].text
+    llm.shutdown()
+    with launch(llava_dir, "e:1,p:1,d:1", "--block-size", "8", "--kv-cache-dtype", "int8") as server:
+        r = server.client().completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        metrics = httpx.get(server.url + "/metrics").text
+        stats = server.workers()
+    moved = sum(float(v) for v in re.findall(r'^epd_kv_transfer_bytes_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M))
+    # 2 layers x 6 blocks x 8 tokens x 2 KV heads x (16 int8 values + one 4-byte scale), K and V:
+    # 20 bytes a row where fp32 takes 64 (test_kv_bytes_moved_equal_request_kv_size)
+    assert moved == 2 * 2 * 6 * 8 * 2 * (16 + 4)
+    assert r.choices[0].text == expected
+    decode = next(v for k, v in stats.items() if k.startswith("decode"))
+    assert decode["kv_block_bytes"] == 2 * 2 * 8 * 2 * (16 + 4)  # one block, every layer, K and V
+
+
 def test_cancel_at_every_stage_leaks_nothing(llava_dir):
     """100 streamed requests, a third cancelled at random points: every worker's
     free-block count returns to its start value and the server still answers."""
