@@ -78,7 +78,7 @@ from pathlib import Path
 
 import numpy as np
 
-from epd.diagnose import MetricsError, Window, metrics_url, scrape
+from epd.diagnose import MetricsError, Window, metrics_url, positive_float, scrape
 
 __all__ = ["DecodeFit", "PlanError", "PrefillFit", "Profile", "Prediction", "Workload", "add_parser", "apply",
            "fit_decode", "fit_prefill", "kubectl_commands", "load_profile", "profile_server", "recommend",
@@ -513,16 +513,6 @@ def apply(replicas: dict[str, int], connector: str, *, state: str | Path = "epd-
 
 
 # ---- command line ------------------------------------------------------------------------------
-def _positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0 or math.isinf(x):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return x
-
-
 def _positive_ints(text: str) -> tuple[int, ...]:
     try:
         xs = tuple(int(t) for t in text.split(","))
@@ -553,7 +543,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pr.add_argument("--prefill-under-decode", type=_non_negative_int, default=0, metavar="STREAMS",
                     help="time prefill while this many long decode streams run (co-located workers that share "
                          "cores or a device interfere; default 0: prefill alone)")
-    pr.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds one request may take")
+    pr.add_argument("--timeout", type=positive_float, default=300.0, help="seconds one request may take")
     pr.set_defaults(func=cmd_profile)
 
     r = psub.add_parser("recommend", help="the smallest e:N,p:M,d:K meeting the TTFT and ITL SLOs")
@@ -561,17 +551,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--trace", help="a ../shared/traces trace (.jsonl Mooncake or .csv Azure)")
     r.add_argument("--limit", type=_positive_int, default=1000, help="trace rows (default: %(default)s)")
     r.add_argument("--start", type=int, default=0, help="first trace row")
-    r.add_argument("--scale", type=_positive_float, default=None, help="trace length factor (as epd bench)")
+    r.add_argument("--scale", type=positive_float, default=None, help="trace length factor (as epd bench)")
     r.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="scale the trace's lengths to fit this (as epd bench), unless --scale")
     r.add_argument("--isl-mean", type=_positive_int, help="synthetic workload: input tokens")
     r.add_argument("--osl-mean", type=_positive_int, help="synthetic workload: output tokens")
-    r.add_argument("--rate", type=_positive_float, help="req/s (synthetic; rescales a trace's times)")
+    r.add_argument("--rate", type=positive_float, help="req/s (synthetic; rescales a trace's times)")
     r.add_argument("--num-requests", type=_positive_int, default=1000, help="synthetic requests")
-    r.add_argument("--cv", type=_positive_float, default=1.0, help="synthetic arrivals' coefficient of variation")
+    r.add_argument("--cv", type=positive_float, default=1.0, help="synthetic arrivals' coefficient of variation")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--ttft-slo", type=_positive_float, required=True, help="p90 TTFT SLO, seconds")
-    r.add_argument("--itl-slo", type=_positive_float, required=True, help="p90 ITL SLO, seconds")
+    r.add_argument("--ttft-slo", type=positive_float, required=True, help="p90 TTFT SLO, seconds")
+    r.add_argument("--itl-slo", type=positive_float, required=True, help="p90 ITL SLO, seconds")
     r.add_argument("--max-devices", type=_positive_int, default=16, help="devices for p and d (default: 16)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--apply", action="store_true", help="set the recommended replicas through --connector")

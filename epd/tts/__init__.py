@@ -22,6 +22,24 @@ __all__ = ["ENGINES", "SAMPLE_RATE", "Synthesizer", "UnknownVoiceError", "check_
 SAMPLE_RATE = 24000
 
 ENGINES = ("espeak",)
+#: characters per phrase; longer text raises ValueError
+MAX_TEXT_CHARS = 4096
+# C0 controls other than tab/newline/CR, and DEL: eSpeak (also Piper's phonemizer) reads \x01
+# as an embedded command
+CONTROLS = {c: " " for c in [*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F]}
+
+
+def checked_text(text: str, closed: bool) -> str:
+    """``text`` as a synthesizer speaks it (control characters as spaces), after the checks
+    every ``Synthesizer.synthesize`` makes at the call: raises ``RuntimeError`` (``closed``),
+    ``TypeError`` (not a str), ``ValueError`` (over :data:`MAX_TEXT_CHARS` characters)."""
+    if closed:
+        raise RuntimeError("the synthesizer is closed")
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, not {type(text).__name__}")
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"text has {len(text)} characters; at most {MAX_TEXT_CHARS} per phrase")
+    return text.translate(CONTROLS)
 
 
 class UnknownVoiceError(ValueError):

@@ -30,13 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from epd.tts import SAMPLE_RATE, Synthesizer, UnknownVoiceError
+from epd.tts import MAX_TEXT_CHARS, SAMPLE_RATE, Synthesizer, UnknownVoiceError, checked_text
 from epd.tts.resample import StreamResampler
 
 __all__ = ["MAX_TEXT_CHARS", "OPENAI_VOICES", "EspeakSynthesizer"]
 
-#: characters per phrase; longer text raises ValueError
-MAX_TEXT_CHARS = 4096
 
 #: OpenAI realtime voice -> eSpeak NG voice: an English language voice ("en" is British)
 #: + a variant from espeak-ng-data/voices/!v (m* male, f* female timbres)
@@ -65,8 +63,6 @@ _RAND_SEED = 1  # eSpeak's noise generator, reseeded before each phrase (else it
 
 _SynthCallback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.c_void_p)
 _RAW_VOICE = re.compile(r"([A-Za-z0-9_-]{1,40})(?:\+([A-Za-z0-9_-]{1,40}))?")
-# C0 controls other than tab/newline/CR, and DEL: eSpeak reads \x01 as an embedded command
-CONTROLS = {c: " " for c in [*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F]}
 
 _LOCK = threading.Lock()  # eSpeak NG's global state: one voice change or synthesis at a time
 _library: _Library | None = None
@@ -181,14 +177,8 @@ class EspeakSynthesizer(Synthesizer):
         :data:`MAX_TEXT_CHARS` characters), ``TypeError`` (``text`` not a str) and
         ``RuntimeError`` (closed) at the call. Empty or whitespace-only text yields nothing.
         """
-        if self._closed:
-            raise RuntimeError("the synthesizer is closed")
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, not {type(text).__name__}")
-        if len(text) > MAX_TEXT_CHARS:
-            raise ValueError(f"text has {len(text)} characters; at most {MAX_TEXT_CHARS} per phrase")
+        text = checked_text(text, self._closed)
         name = self.espeak_voice(voice)
-        text = text.translate(CONTROLS)
         if not text.strip():
             return iter(())
         return self._stream(text, name)

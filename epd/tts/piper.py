@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from epd.tts import SAMPLE_RATE, Synthesizer, UnknownVoiceError
-from epd.tts.espeak import CONTROLS, MAX_TEXT_CHARS, OPENAI_VOICES
+from epd.tts import SAMPLE_RATE, Synthesizer, UnknownVoiceError, checked_text
+from epd.tts.espeak import OPENAI_VOICES
 from epd.tts.resample import StreamResampler
 
 
@@ -80,14 +80,8 @@ class PiperSynthesizer(Synthesizer):
         characters), ``TypeError`` (not a str) and ``RuntimeError`` (closed) at the call.
         Empty or whitespace-only text yields nothing.
         """
-        if self._closed:
-            raise RuntimeError("the synthesizer is closed")
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, not {type(text).__name__}")
-        if len(text) > MAX_TEXT_CHARS:
-            raise ValueError(f"text has {len(text)} characters; at most {MAX_TEXT_CHARS} per phrase")
+        text = checked_text(text, self._closed)
         speaker = self.speaker_id(voice)
-        text = text.translate(CONTROLS)
         if not text.strip():
             return iter(())
         return self._stream(text, speaker)
