@@ -8,15 +8,13 @@ import os
 import sys
 import time
 
-from epd.launch_config import (DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES, TOOL_CALL_PARSERS,
-                               WORKER_ENGINE_FLAGS, LaunchConfig,
-                               int_list)
+from epd.launch_config import (DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES,
+                               TOOL_CALL_PARSERS, WORKER_ENGINE_FLAGS, LaunchConfig, int_list)
 from epd.roles import ROLE_NAMES, Role
 
-
 _KV_CACHE_DTYPE_HELP = ("KV cache: auto (the model's dtype), or quantized, int8 or fp8_e4m3 (fp8), one float32 "
-                        "scale per token and KV head: about 3.8x the fp32 blocks per GB; prefill and decode "
-                        "workers must use the same")
+                        "scale per 16 values of each token and KV head: 3.2x the fp32 blocks per GB at head_dim "
+                        "64; prefill and decode workers must use the same")
 
 
 def _tts_engine(text: str) -> str:

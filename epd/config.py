@@ -78,7 +78,8 @@ class EngineConfig:
             follows it unless ``kv_cache_dtype`` quantizes it.
         kv_cache_dtype: "auto" (the model's ``dtype``), or a quantized cache: "int8" or
             "fp8_e4m3" ("fp8" too, as vLLM's ``kv_cache_dtype``), one float32 scale per
-            token and KV head (``epd.kernels.kv_quant``): ``head_dim + 4`` bytes a row.
+            16 values of each token and KV head (``epd.kernels.kv_quant``): rows of
+            ``head_dim + scale_bytes(head_dim)`` bytes (80 at head_dim 64).
         device: "cpu" or "cuda"; "auto" picks cuda when available.
         compile: run the model through ``torch.compile`` (dynamic shapes; the attention
             layers' paged kernels stay outside the graph).
@@ -167,9 +168,9 @@ class EngineConfig:
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes captured as CUDA graphs ([] where none are: on a CPU,
-        with ``enforce_eager``, at TP > 1)."""
-        if self.device != "cuda" or self.enforce_eager or self.tensor_parallel_size > 1:
-            return []
+        with ``enforce_eager``, at TP > 1, with a quantized KV cache)."""
+        if self.device != "cuda" or self.enforce_eager or self.tensor_parallel_size > 1 or self.kv_quant:
+            return []  # (a quantized cache's per-step dequantization has data-dependent shapes)
         from epd.engine.cuda_graphs import capture_sizes
 
         return capture_sizes(self.max_num_seqs, self.cuda_graph_sizes)
@@ -205,7 +206,7 @@ class EngineConfig:
     @property
     def kv_row_elems(self) -> int:
         """Elements of one (token, KV head) row of the cache: ``head_dim``, or
-        ``head_dim + 4`` bytes (values and their float32 scale) when quantized."""
+        ``head_dim + scale_bytes(head_dim)`` bytes (values and their float32 scales) when quantized."""
         from epd.kernels.kv_quant import scale_bytes
 
         return self.head_dim + (0 if self.kv_quant is None else scale_bytes(self.head_dim))

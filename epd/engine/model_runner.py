@@ -81,7 +81,7 @@ class ModelRunner:
     """Holds one TP rank's model shard and KV cache.
 
     k_cache / v_cache: [num_layers, num_blocks, block_size, num_kv_heads / tp, head_dim], the
-    model's dtype; or, quantized (``kv_cache_dtype``), uint8 rows of ``head_dim + 4`` bytes.
+    model's dtype; or, quantized (``kv_cache_dtype``), uint8 rows of ``head_dim + scale_bytes(head_dim)`` bytes.
     ``staging``: the instance's staging pool (``epd.transfer.staging``), mapped by
     every rank, or None when the instance moves KV block to block only.
     """

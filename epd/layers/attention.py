@@ -69,7 +69,7 @@ class Attention(nn.Module):
     head_dim]; returns [num_tokens, num_heads, head_dim]. ``k_cache`` /
     ``v_cache`` ([num_blocks, block_size, num_kv_heads, head_dim]) are bound by
     the model runner after the cache is allocated; with ``kv_quant`` ("int8",
-    "fp8_e4m3") they are uint8 rows of ``head_dim + 4`` bytes (``epd.kernels.kv_quant``):
+    "fp8_e4m3") they are uint8 rows of ``head_dim + scale_bytes(head_dim)`` bytes (``epd.kernels.kv_quant``):
     new K/V rows are quantized as they are stored, and the blocks a step reads are
     dequantized to the model's dtype for the attention kernels.
     """

@@ -61,7 +61,7 @@ def kv_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, tp:
 
     ``k_cache`` / ``v_cache``: [num_layers, num_blocks, block_size, num_kv_heads / tp, head_dim]
     (this rank's paged cache); ``staging``: the instance's staging pool, or None;
-    ``kv_quant``: a quantized cache's kind ("int8", "fp8_e4m3": uint8 rows of head_dim + 4
+    ``kv_quant``: a quantized cache's kind ("int8", "fp8_e4m3": uint8 rows of head_dim + scale_bytes(head_dim)
     bytes, advertised with that name as ``dtype`` and the row length as ``head_dim``).
     """
     layers = k_cache.shape[0]
