@@ -15,6 +15,10 @@
     python benchmarks/plan_accuracy.py                 # rates 4 and 12 req/s, 120 rows (~4 min on 2 cores)
     python benchmarks/plan_accuracy.py --rates 8 --rows 60
     python benchmarks/plan_accuracy.py --prefill-under-decode 4   # prefill profiled under decode load
+    python benchmarks/plan_accuracy.py --decode-under-prefill 0   # decode profiled with prefill idle only
+
+The table's "without the table" columns are the same pools simulated from the profile without
+its prefill-under-decode table (TTFT) and without its decode-under-prefill table (ITL).
 
 Writes benchmarks/results/plan_accuracy.json (profile, recommendations, bench summaries)
 and prints the table (markdown) that benchmarks/README.md quotes.
@@ -23,6 +27,7 @@ and prints the table (markdown) that benchmarks/README.md quotes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -34,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from disagg_vs_agg import _load, serve  # noqa: E402 - the launch helper of the serving benchmark
 
 import httpx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from epd.diagnose import Window, metrics_url, scrape  # noqa: E402
-from epd.plan import PrefillFit, trace_workload  # noqa: E402
+from epd.plan import PrefillFit, load_profile, simulate, trace_workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -79,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-slo", type=float, default=0.5)
     ap.add_argument("--itl-slo", type=float, default=0.02)
     ap.add_argument("--max-devices", type=int, default=4)
-    ap.add_argument("--prefill-under-decode", type=int, default=0,
-                    help="epd plan profile's decode streams while prefill is timed")
+    ap.add_argument("--prefill-under-decode", default="0,4,8,16",
+                    help="epd plan profile's decode stream counts prefill is timed under (default: %(default)s; "
+                         "0 alone: no interference table, the model of the first runs)")
+    ap.add_argument("--decode-under-prefill", default="0,0.5,1",
+                    help="epd plan profile's prefill duty cycles decode is timed under (default: %(default)s; "
+                         "0 alone: no decode-under-prefill table, the model of the 2026-12-04 rerun)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plan_accuracy.json")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="plan_accuracy_"))
@@ -90,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     with serve(model, "p:1,d:1", "0,1", 1, work / "profile.log") as url:
         print(epd("plan", "profile", "--url", url, "--out", str(profile), "--repeats", "2",
                   "--lengths", "64,256,512,1024,2000",
-                  "--prefill-under-decode", str(args.prefill_under_decode)).stdout, flush=True)
+                  "--prefill-under-decode", str(args.prefill_under_decode),
+                  "--decode-under-prefill", str(args.decode_under_prefill)).stdout, flush=True)
     results: dict = {"profile": json.loads(profile.read_text()), "runs": [], "trace": str(TRACE), "rows": args.rows,
                      "prefill_under_decode": args.prefill_under_decode,
+                     "decode_under_prefill": args.decode_under_prefill,
                      "scale": args.scale, "slo": {"ttft_s": args.ttft_slo, "itl_s": args.itl_slo}}
     rows = []
     for rate in args.rates:
@@ -114,19 +126,35 @@ def main(argv: list[str] | None = None) -> int:
         stages = {name: window.histogram(f"epd_{name}_seconds", "prefill") for name in ("prefill", "prefill_queue")}
         w = trace_workload(TRACE, args.rows, 0, args.scale, 2048, rate)
         predicted_prefill_s = float(PrefillFit(**results["profile"]["prefill"]).seconds(w.input_len).mean())
-        summary = json.loads(bench_out.read_text())["runs"][0]["summary"]
+        bench_run = json.loads(bench_out.read_text())["runs"][0]
+        summary = bench_run["summary"]
+        sent = [r["prompt_tokens"] for r in bench_run["records"] if r.get("prompt_tokens")]
         server = {"prefill_mean_s": stages["prefill"].mean, "prefill_queue_mean_s": stages["prefill_queue"].mean,
-                  "profile_prefill_mean_s": predicted_prefill_s}
+                  "profile_prefill_mean_s": predicted_prefill_s,
+                  "kv_transfer_mean_s": getattr(window.histogram("epd_kv_transfer_seconds", "prefill"), "mean", None),
+                  "api_ttft_mean_s": getattr(window.histogram("epd_time_to_first_token_seconds", "api"), "mean", None),
+                  "prompt_tokens_mean": sum(sent) / len(sent) if sent else None,
+                  "trace_input_tokens_mean": float(w.input_len.mean())}
+        # the same pools under the profile without its interference table: the first model's prediction
+        alone = dataclasses.replace(load_profile(profile), interference=[])
+        ttft_alone, _ = simulate(alone, w, rec["replicas"]["prefill"], rec["replicas"]["decode"])
+        server["ttft_p90_predicted_alone_s"] = float(np.quantile(ttft_alone, 0.9))
+        # and without its decode-under-prefill table: the ITL of the model before that term
+        _, gaps_alone = simulate(dataclasses.replace(load_profile(profile), decode_interference=[]), w,
+                                 rec["replicas"]["prefill"], rec["replicas"]["decode"])
+        server["itl_p90_predicted_alone_s"] = float(np.quantile(gaps_alone, 0.9)) if len(gaps_alone) else None
         results["runs"].append({"rate": rate, "recommend": rec, "bench": summary, "server": server, "load": _load()})
         p, m = rec["predicted"], summary
         rows.append(f"| {rate:g} | {rec['pools']} | {_ms(p['ttft_p90_s'])} | {_ms(m['ttft_s']['p90'])} | "
-                    f"{_err(p['ttft_p90_s'], m['ttft_s']['p90'])} | {_ms(p['itl_p90_s'])} | {_ms(m['itl_s']['p90'])} | "
-                    f"{_err(p['itl_p90_s'], m['itl_s']['p90'])} | {_ms(m['tpot_s']['p90'])} | "
+                    f"{_err(p['ttft_p90_s'], m['ttft_s']['p90'])} | {_ms(server['ttft_p90_predicted_alone_s'])} | "
+                    f"{_ms(p['itl_p90_s'])} | {_ms(m['itl_s']['p90'])} | "
+                    f"{_err(p['itl_p90_s'], m['itl_s']['p90'])} | {_ms(server['itl_p90_predicted_alone_s'])} | "
+                    f"{_ms(m['tpot_s']['p90'])} | "
                     f"{_ms(predicted_prefill_s)} | "
                     f"{_ms(server['prefill_mean_s'])} | {_ms(server['prefill_queue_mean_s'])} | {_load()[0]} |")
-    table = ["| rate req/s | recommended | TTFT p90 predicted ms | measured | error | ITL p90 predicted ms | "
-             "measured | error | TPOT p90 measured ms | prefill mean: profile ms | replay ms | "
-             "prefill queue mean ms | load 1m |", "|" + "---|" * 13] + rows
+    table = ["| rate req/s | recommended | TTFT p90 predicted ms | measured | error | without the table | "
+             "ITL p90 predicted ms | measured | error | without the table | TPOT p90 measured ms | "
+             "prefill mean: profile alone ms | replay ms | prefill queue mean ms | load 1m |", "|" + "---|" * 15] + rows
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print("\n".join(table))

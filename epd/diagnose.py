@@ -15,7 +15,8 @@ Then it runs the checks of :data:`SYMPTOMS` (issue 18's list). Each check ends
 ``symptom`` (with its evidence, likely cause and the fix to try), ``ok``,
 ``not_applicable`` (the pool it is about is not deployed) or ``not_evaluated`` (a metric
 it needs is missing or has fewer observations in the window than the check's minimum,
-so an idle server is healthy). The thresholds are the module constants below.
+so an idle server has no symptom, yet is not called healthy: see the verdicts below).
+The thresholds are the module constants below.
 
 Where the numbers come from (epd/metrics.py): the request-level latencies (TTFT, TPOT,
 ITL, e2e) and cancellations are observed by the API, ``pool="api"``; ``prefill_queue``,
@@ -24,7 +25,20 @@ ITL, e2e) and cancellations are observed by the API, ``pool="api"``; ``prefill_q
 and preemption counters by every engine worker; retries, migrations and routing
 decisions by the router (labelled with the pool they concern).
 
-Exit code: 0 healthy, 1 at least one symptom, 2 the server could not be read.
+Verdict and exit code (:attr:`Report.status`):
+
+- ``symptoms``, exit 1: at least one symptom (whatever the traffic);
+- ``healthy``, exit 0: no symptom, and at least one check was evaluated (judged ``ok``);
+- ``no_traffic``, exit 3: no request in the window (no TTFT, e2e or routing decision), so
+  nothing was judged: the server is idle, not found healthy;
+- ``too_little_traffic``, exit 3: some requests, but no check had the observations it
+  needs (every one ``not_evaluated`` or ``not_applicable``);
+- exit 2: the server could not be read.
+
+Units: ``prefix_*`` cache counts are prompt tokens (``epd_prefix_cache_*_tokens_total``);
+``epd_kv_transfer_requests_total`` counts NIXL READ/WRITE operations, not client requests
+(one per layer, and per TP rank with per-rank agents, for each P->D transfer), reported
+here as ``kv_transfer_ops`` and ``nixl_ops_per_transfer``.
 """
 
 from __future__ import annotations
@@ -129,6 +143,8 @@ ENCODER_HITS = "epd_encoder_cache_hits_total"
 KV_BYTES = "epd_kv_transfer_bytes_total"
 KV_FAILURES = "epd_kv_transfer_failures_total"
 KV_RETRIES = "epd_kv_transfer_retries_total"
+#: NIXL operations posted (one per layer and rank of each transfer), not client requests
+KV_OPS = "epd_kv_transfer_requests_total"
 
 #: stage histograms in report order: short name -> family
 STAGES = {
@@ -151,7 +167,7 @@ SYMPTOMS: dict[str, tuple[str, str, str]] = {
         "long prompts are prefilled in the same engine steps as the running decodes, so every stream "
         "stalls while a prompt's chunk computes",
         "disaggregate (--pools p:N,d:M), or bound the prefill tokens of a step that carries decodes "
-        "(lower --max-prefill-tokens-with-decodes)"),
+        "(lower --target-step-ms or --max-prefill-tokens-with-decodes)"),
     "prefill_queue_dominates_ttft": (
         "TTFT is made of prefill queueing: the prefill queue dominates prefill execution",
         "the prefill pool is saturated: requests wait for a prefill instance much longer than they compute",
@@ -599,6 +615,8 @@ def check_kv_transfer(w: Window, s: Settings) -> list[Check]:
     nbytes = w.counter(KV_BYTES, pool="prefill")
     ev.update({"p50_s": kt.quantile(0.5), "p99_s": kt.quantile(0.99), "prefill_p99_s": x.quantile(0.99),
                "bytes_per_request": nbytes / kt.count})
+    if ops := w.counter(KV_OPS, pool="prefill"):
+        ev["nixl_ops_per_transfer"] = ops / kt.count  # layers (x TP ranks with per-rank agents)
     if kt.sum > 0:
         ev["effective_gb_per_s"] = nbytes / kt.sum / 1e9  # a lower bound: the time overlaps compute
     fired = ev["p99_s"] >= KV_TRANSFER_P99_S and ev["p99_s"] >= KV_TRANSFER_OVER_PREFILL * ev["prefill_p99_s"]
@@ -814,6 +832,12 @@ def summarize(w: Window) -> dict[str, dict]:
         nbytes = w.counter(KV_BYTES, pool=pool)
         if nbytes:
             rates["kv_bytes_per_s"] = nbytes / dur
+        ops = w.counter(KV_OPS, pool=pool)
+        if ops:  # NIXL operations, one per layer (and rank) of a transfer: not requests
+            rates["kv_transfer_ops_per_s"] = ops / dur
+            transfers = w.histogram(KV_TRANSFER, pool)
+            if transfers is not None and transfers.count:
+                rates["nixl_ops_per_transfer"] = ops / transfers.count
         step = w.histogram(DECODE_STEP, pool)
         if step is not None and step.count:  # fraction of the window an instance spent in steps, 0..1
             rates["decode_busy"] = min(1.0, step.sum / dur / max(1, w.instances(pool)))
@@ -823,8 +847,9 @@ def summarize(w: Window) -> dict[str, dict]:
             ("migrated_requests", "epd_migrated_requests_total"), ("worker_failures", "epd_worker_failures_total"))}
         caches = {}
         if prompt:
-            caches["prefix_hit_rate"] = w.counter(PREFIX_HITS, pool=pool) / prompt
+            caches["prefix_hit_rate"] = w.counter(PREFIX_HITS, pool=pool) / prompt  # hit tokens / looked-up tokens
             caches["prefix_query_tokens"] = prompt
+            caches["prefix_hit_tokens"] = w.counter(PREFIX_HITS, pool=pool)
         items = w.counter(ENCODER_QUERIES, pool=pool)
         if items:
             caches["encoder_hit_rate"] = w.counter(ENCODER_HITS, pool=pool) / items
@@ -866,11 +891,36 @@ class Report:
         return [c for c in self.checks if c.status == "symptom" and c.id not in self.ignored]
 
     @property
+    def requests(self) -> float:
+        """Requests seen in the window: the most of the API's TTFT and e2e observations and
+        of any pool's routing decisions (0: no traffic)."""
+        api = self.pools.get("api", {}).get("stages", {})
+        seen = [api.get(k, {}).get("count", 0) or 0 for k in ("ttft", "e2e")]
+        seen += [p.get("rates", {}).get("routed_per_s", 0) * self.window_s for p in self.pools.values()]
+        return float(max(seen, default=0.0))
+
+    @property
+    def status(self) -> str:
+        """``symptoms``, ``healthy``, ``no_traffic`` or ``too_little_traffic`` (the module docstring)."""
+        if self.symptoms:
+            return "symptoms"
+        if any(c.status in ("ok", "symptom") for c in self.checks):
+            return "healthy"
+        return "no_traffic" if self.requests < 0.5 else "too_little_traffic"
+
+    @property
     def healthy(self) -> bool:
-        return not self.symptoms
+        """No symptom and something judged: an idle window is not healthy (see :attr:`status`)."""
+        return self.status == "healthy"
+
+    @property
+    def exit_code(self) -> int:
+        """0 healthy, 1 symptoms, 3 nothing judged (no or too little traffic in the window)."""
+        return {"healthy": 0, "symptoms": 1}.get(self.status, 3)
 
     def to_json(self) -> dict:
-        return {"url": self.url, "window_s": self.window_s, "scrapes": self.scrapes, "healthy": self.healthy,
+        return {"url": self.url, "window_s": self.window_s, "scrapes": self.scrapes, "status": self.status,
+                "healthy": self.healthy, "requests": self.requests,
                 "symptoms": [c.to_json() for c in self.symptoms],
                 "checks": [c.to_json() for c in self.checks], "ignored": list(self.ignored),
                 "not_evaluated": [{"id": c.id, "pool": c.pool, "reason": c.detail} for c in self.checks
@@ -898,7 +948,13 @@ class Report:
                 tag = f"{c.id}{' (' + c.pool + ')' if c.pool else ''}"
                 note = " [ignored symptom]" if c.status == "symptom" else ""
                 lines.append(f"  {tag}: {c.detail}{note}")
-        lines += ["", "healthy: no symptom found" if self.healthy else f"{len(self.symptoms)} symptom(s) found"]
+        verdict = {"healthy": "healthy: no symptom found",
+                   "symptoms": f"{len(self.symptoms)} symptom(s) found",
+                   "no_traffic": f"no traffic in window: no request in {self.window_s:.1f} s, nothing judged "
+                                 "(not healthy, not unhealthy: diagnose a window with traffic)",
+                   "too_little_traffic": f"too little traffic in window: {self.requests:.0f} request(s) in "
+                                         f"{self.window_s:.1f} s, no check had enough to judge (see NOT EVALUATED)"}
+        lines += ["", verdict[self.status]]
         return "\n".join(lines)
 
 
@@ -938,12 +994,12 @@ def _pct(g: dict | None) -> str:
 
 def _pool_table(pools: dict[str, dict]) -> list[str]:
     rows = [["pool", "inst", "req/s", "prompt tok/s", "out tok/s", "KV mean/max", "queue mean/max", "running",
-             "preempt", "prefix hit", "cancelled"]]
+             "preempt", "prefix hit (tokens)", "cancelled"]]
     for pool, p in pools.items():
         r, g, c, k = p["rates"], p["gauges"], p["counters"], p["caches"]
         req = r.get("requests_per_s", r.get("routed_per_s"))
         queue = g.get("queue_depth")
-        hit = (f"{k['prefix_hit_rate']:.0%} of {k['prefix_query_tokens']:.0f}" if "prefix_hit_rate" in k else
+        hit = (f"{k['prefix_hit_rate']:.0%} of {k['prefix_query_tokens']:.0f} tok" if "prefix_hit_rate" in k else
                f"enc {k['encoder_hit_rate']:.0%}" if "encoder_hit_rate" in k else "-")
         rows.append([pool, "-" if p["instances"] is None else str(p["instances"]),
                      "-" if req is None else f"{req:.2f}",
@@ -1039,7 +1095,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "reports per pool the rates and p50/p95/p99 of every stage, KV usage, "
                                    "preemptions and cache hit rates, and the symptoms it matches with their likely "
                                    "cause and the fix to try. Exit code: 0 healthy, 1 a symptom, 2 the server "
-                                   "could not be read.")
+                                   "could not be read, 3 nothing judged (no or too little traffic in the window).")
     d.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
     d.add_argument("--window", type=positive_float, default=60.0,
                    help="seconds between the two scrapes (default: %(default)s)")
@@ -1070,7 +1126,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             raise
         return _unreadable(args, f"{type(e).__name__}: {e} (set EPD_DEBUG=1 for the traceback)")
     print(json.dumps(report.to_json(), indent=2) if args.json else report.format_text())
-    return 0 if report.healthy else 1
+    return report.exit_code
 
 
 def _unreadable(args: argparse.Namespace, message: str) -> int:

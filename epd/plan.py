@@ -15,10 +15,17 @@ smallest that meets the SLOs.
   (delta of the histogram over the request, read from ``/metrics`` with epd.diagnose's
   parser) is the service time and the client's TTFT minus it is the fixed overhead (API,
   routing, KV transfer, first decode step); a window that also holds another request's
-  prefill is measured again. ``--prefill-under-decode S`` keeps S long decode streams
-  running meanwhile, for workers that share cores or a device (their interference is
-  otherwise missing from the profile). Fit: ``prefill_s = c0 + c1*n + c2*n^2``
-  (least squares, coefficients clipped at >= 0), ``n`` input tokens.
+  prefill is measured again. Fit: ``prefill_s = c0 + c1*n + c2*n^2`` (least squares,
+  coefficients clipped at >= 0), ``n`` input tokens, over the points timed alone.
+- interference: ``--prefill-under-decode 0,4,16`` repeats the prefill pass under each
+  number of long *streamed* decode requests (tokens read as server-sent events, as a
+  streaming client does). Where prefill and decode workers share cores (a CPU box) or a
+  device, the decode steps, and the API's per-token streaming, take compute from prefill:
+  on the 2-core VM a prefill under 16 streams took several times its time alone, which a
+  profile of prefill alone misses (the first version of this planner under-predicted TTFT
+  2.7-6x there). Per stream count ``s``, the table keeps ``slowdown(s)``, the median of
+  prefill seconds over the alone fit, and ``overhead(s)``, the median TTFT outside the
+  prefill worker. On separate devices it measures a slowdown near 1.
 - decode: for each context (prompt length, default 64 and 512) and batch size (default
   1, 2, 4, 8), that many concurrent requests of ``--decode-tokens`` tokens (``ignore_eos``).
   The decode workers' ``epd_decode_step_seconds`` over them gives the step time (a running
@@ -26,6 +33,23 @@ smallest that meets the SLOs.
   are staggered, so fewer than ``batch`` may run at once). Fit: ``itl_s = a + b*batch +
   c*batch*context`` over (mean batch, mean context, step time); the step reads every
   running sequence's KV, so its cost grows with batch x context.
+- decode under prefill, the mirror of the interference above: ``--decode-under-prefill
+  0,0.5,1`` times one decode point (the middle batch size, the shortest context, as the
+  decode pass does it, at least 3 times per duty) while background requests of
+  ``--prefill-load-tokens`` fresh input tokens (``max_tokens=1``) keep the prefill pool
+  busy that fraction of the time (1: two clients back to back, so
+  its queue never empties; below 1: one client idling ``(1 - duty) / duty`` of each
+  request's time). Where the workers share cores or a device, prefill compute (and the KV
+  transfer to the decode worker) slows the decode steps; the decode profile above is taken
+  with the prefill pool idle, which the first planner's ITL predictions missed (-31% /
+  -51% on the 2-core VM). Per duty, the table keeps ``prefill_busy``, the fraction of a
+  1 s window of the background load alone that the prefill pool was busy as its workers
+  measured it (``epd_prefill_seconds`` over the wall seconds and the pool's instances, at
+  most 1; 0 for duty 0), and ``slowdown``, the median step time over the decode fit's at
+  the measured mean batch and context, over the same median at duty 0 (the duties are
+  timed interleaved, so a drift of the machine's load hits each; the requests' own
+  staggered prefills are in every pass and in the decode fit, so they cancel).
+  Seconds throughout; the load is a fraction (0..1), the slowdown a ratio.
 
 ``epd plan recommend --profile profile.json (--trace PATH | --isl-mean N --osl-mean N --rate R)
 --ttft-slo S --itl-slo S`` simulates, per candidate, the workload's arrivals (the trace's
@@ -34,22 +58,34 @@ recorded times, rescaled to ``--rate`` when given, or gamma arrivals of coeffici
 - prefill: ``M`` instances, each a FIFO single server (a prompt's chunks occupy the
   instance's steps until it is done; batching several prompts in one step does not raise a
   compute-bound worker's token throughput), a request joining the instance that frees up
-  first; ``TTFT = queue wait + prefill_s(n) + overhead``.
+  first; ``TTFT = queue wait + prefill_s(n) * slowdown(s) + overhead(s)``, ``s`` the decode
+  streams running (in the simulation) when its prefill starts; without an interference
+  table, slowdown 1 and the alone overhead.
 - decode: ``K`` instances, a request (arriving when its prefill ends) joining the one with
   the fewest running streams; each instance steps all its running streams at once, one
   token each, the step lasting ``itl_s(batch, mean context)`` of the profile (continuous
-  batching); every token's gap is one ITL sample.
+  batching); every token's gap is one ITL sample. With a decode-under-prefill table, a
+  step is slowed by ``slowdown(u)``, ``u`` the fraction of the ``M`` simulated prefill
+  instances computing a prompt when the step starts (the prefill pool's utilization, 0..1,
+  as the profile measured it on its pool; a larger pool is taken to bring its own cores or
+  devices, so its interference scales with its utilization, not its size).
 
-The p90 over the simulated requests (TTFT) and tokens (ITL) are the predictions. Prefill
-only depends on ``M`` and decode on ``K`` (given the prefill ends), so the search takes the
-smallest ``M`` meeting the TTFT SLO, then the smallest ``K`` meeting the ITL SLO, within
+The two are coupled through ``s`` and ``u``: :func:`simulate` iterates prefill under the
+previous round's decode streams and decode under the new prefills (their first tokens and
+their busy intervals) to a fixed point. The p90
+over the simulated requests (TTFT) and tokens (ITL) are the predictions. Without
+interference prefill only depends on ``M`` and decode on ``K`` (given the prefills: their
+ends and, with a decode-under-prefill table, their busy intervals), so the search takes the smallest ``M`` meeting the TTFT SLO, then the smallest ``K``
+meeting the ITL SLO; with it, the two searches alternate until neither moves, within
 ``--max-devices`` (``M*tp_p + K*tp_d``; TP is the profile's ``tp`` per pool, which
 ``profile`` writes as 1: the TP of the profiled workers is not read from the server, so a
 profile of TP workers needs its ``tp`` edited). ``e:N``: the traces hold no media, so the
 encode pool is 0 (the profile's encode instances are not sized). Not modelled: KV
 capacity (preemption when a decode instance's cache is full), ``max_num_seqs``,
-prefix-cache hits, chunked prefill sharing steps with decodes (aggregated ``pd`` pools),
-and the interference of workers that share cores or a device (see ``--prefill-under-decode``).
+prefix-cache hits, chunked prefill sharing steps with decodes (aggregated ``pd`` pools;
+their decode-under-prefill table measures the shared steps, but at one batch size), and
+the interference between more instances than the profiled server had (the tables are
+measured on its pools, e.g. ``p:1,d:1``).
 
 ``--apply`` sets the replicas: ``--connector local`` writes ``{"encode": N, "prefill": M,
 "decode": K}`` to ``--state`` (a JSON file), ``--connector kubernetes`` runs
@@ -64,6 +100,7 @@ server that cannot be read).
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import json
 import math
@@ -80,14 +117,18 @@ import numpy as np
 
 from epd.diagnose import MetricsError, Window, metrics_url, positive_float, scrape
 
-__all__ = ["DecodeFit", "PlanError", "PrefillFit", "Profile", "Prediction", "Workload", "add_parser", "apply",
-           "fit_decode", "fit_prefill", "kubectl_commands", "load_profile", "profile_server", "recommend",
-           "simulate_decode", "simulate_prefill", "synthetic_workload", "trace_workload"]
+__all__ = ["DecodeFit", "DecodeInterference", "PlanError", "PrefillFit", "Profile", "Prediction", "Workload",
+           "add_parser", "apply", "fit_decode", "fit_decode_interference", "fit_prefill", "kubectl_commands",
+           "load_profile", "profile_server", "recommend", "simulate_decode", "simulate_prefill", "synthetic_workload",
+           "trace_workload"]
 
 PROFILE_VERSION = 1
 DEFAULT_PREFILL_LENGTHS = (64, 128, 256, 512, 1024, 2048)
 DEFAULT_BATCHES = (1, 2, 4, 8)
 DEFAULT_CONTEXTS = (64, 512)
+#: the pools a profile counts and ``--pools`` names (the router and the API are no pools to size)
+SERVING_POOLS = ("encode", "prefill", "decode", "pd", "tts")
+POOL_SHORT = {"encode": "e", "prefill": "p", "decode": "d", "pd": "pd", "tts": "t"}
 #: the quantile the SLOs are judged at (Dynamo's planner and DistServe: p90)
 QUANTILE = 0.9
 #: the pools' Deployments of deploy/base (the scale subresource ``kubectl scale`` drives)
@@ -131,9 +172,20 @@ class DecodeFit:
 @dataclass(frozen=True, slots=True)
 class Profile:
     """What ``epd plan profile`` measured. ``pools``: live instances per pool on the
-    profiled server; ``tp``: tensor-parallel size per pool (1 where unknown);
-    ``prefill_points``: ``[input_tokens, prefill_s, ttft_s]``; ``decode_points``:
-    ``[batch, context, itl_s]``; ``prefill_under_decode``: the decode streams run while prefill was timed."""
+    profiled server (``encode``, ``prefill``, ``decode``, ``pd``, ``tts``); ``tp``:
+    tensor-parallel size per pool (1 where unknown); ``prefill_points``: ``[input_tokens,
+    prefill_s, ttft_s, decode_streams]`` (version 1 profiles: no ``decode_streams``, 0);
+    ``decode_points``: ``[batch, context, itl_s]``; ``prefill_under_decode``: the most decode
+    streams run while prefill was timed; ``interference``: ``[decode_streams, slowdown,
+    overhead_s]`` rows, ascending in streams (see :class:`Interference`), empty when
+    prefill was only timed alone. The mirror, decode under prefill:
+    ``decode_under_prefill``: the prefill duty cycles (0..1) decode was timed under;
+    ``decode_under_prefill_tokens``: the input tokens of each background prefill;
+    ``decode_under_prefill_points``: ``[duty, prefill_busy, batch, context, itl_s]`` (the
+    duty asked for, the busy fraction measured, the mean running batch, mean context, step
+    seconds); ``decode_interference``: ``[prefill_busy, slowdown]`` rows, ascending in
+    busy (see :class:`DecodeInterference`). Profiles without these fields (written before
+    the term) load with them empty: decode is not slowed by prefill."""
 
     model: str
     pools: dict[str, int]
@@ -145,6 +197,11 @@ class Profile:
     url: str = ""
     measured_at: str = ""
     prefill_under_decode: int = 0
+    interference: list[list[float]] = field(default_factory=list)
+    decode_under_prefill: list[float] = field(default_factory=list)
+    decode_under_prefill_tokens: int = 0
+    decode_under_prefill_points: list[list[float]] = field(default_factory=list)
+    decode_interference: list[list[float]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -165,9 +222,13 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_prefill(points: list[list[float]]) -> PrefillFit:
-    """Fit ``[input_tokens, prefill_s, ttft_s]`` points. Raises PlanError with fewer than
-    2 distinct lengths or a non-positive time."""
-    p = np.asarray(points, dtype=np.float64).reshape(-1, 3)
+    """Fit ``[input_tokens, prefill_s, ttft_s(, decode_streams)]`` points; with a streams
+    column, only the points of the fewest streams (prefill alone, as a rule) are fitted.
+    Raises PlanError with fewer than 2 distinct lengths or a non-positive time."""
+    p = np.asarray(points, dtype=np.float64)
+    if p.ndim == 2 and p.shape[1] == 4:
+        p = p[p[:, 3] == p[:, 3].min(), :3]
+    p = p.reshape(-1, 3)
     if len(np.unique(p[:, 0])) < 2:
         raise PlanError("the prefill fit needs points at 2 or more input lengths")
     if not (p[:, 1] > 0).all():
@@ -176,6 +237,102 @@ def fit_prefill(points: list[list[float]]) -> PrefillFit:
     c = _nonneg_lstsq(np.stack([np.ones_like(n), n, n * n], axis=1), p[:, 1])
     overhead = float(np.median(np.maximum(p[:, 2] - p[:, 1], 0.0)))
     return PrefillFit(float(c[0]), float(c[1]), float(c[2]), overhead)
+
+
+class Interference:
+    """How prefill slows while decode streams run on the same server: rows ``[streams,
+    slowdown, overhead_s]`` (``slowdown``: prefill seconds over :class:`PrefillFit`'s, a
+    ratio; ``overhead_s``: the TTFT outside the prefill worker, seconds), linearly
+    interpolated in ``streams`` and held constant past the last row. Where the prefill and
+    decode workers share cores (a CPU box) or a device, their compute interferes, and the
+    API's per-token streaming competes too; on separate devices the profile finds a
+    slowdown near 1. No rows: slowdown 1 and ``default_overhead_s`` at any load."""
+
+    def __init__(self, rows: list[list[float]], default_overhead_s: float) -> None:
+        r = np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+        r = r[np.argsort(r[:, 0], kind="stable")]
+        self.streams, self.slowdown, self.overhead_s = r[:, 0], r[:, 1], r[:, 2]
+        self.default_overhead_s = default_overhead_s
+
+    def __bool__(self) -> bool:
+        return len(self.streams) > 0
+
+    def at(self, streams: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+        """(slowdown, overhead_s) at ``streams`` running decode streams."""
+        s = np.asarray(streams, dtype=np.float64)
+        if not self:
+            return np.ones_like(s), np.full_like(s, self.default_overhead_s)
+        return np.interp(s, self.streams, self.slowdown), np.interp(s, self.streams, self.overhead_s)
+
+
+def fit_interference(points: list[list[float]], fit: PrefillFit) -> list[list[float]]:
+    """``[streams, slowdown, overhead_s]`` per profiled stream count of ``[input_tokens,
+    prefill_s, ttft_s, decode_streams]`` points: the median of ``prefill_s / fit(n)`` and of
+    ``ttft_s - prefill_s``. Empty when every point was timed at one stream count."""
+    p = np.asarray(points, dtype=np.float64)
+    if p.ndim != 2 or p.shape[1] != 4 or len(np.unique(p[:, 3])) < 2:
+        return []
+    rows = []
+    for s in np.unique(p[:, 3]):
+        q = p[p[:, 3] == s]
+        rows.append([float(s), float(np.median(q[:, 1] / np.maximum(fit.seconds(q[:, 0]), 1e-9))),
+                     float(np.median(np.maximum(q[:, 2] - q[:, 1], 0.0)))])
+    return rows
+
+
+class DecodeInterference:
+    """How decode steps slow while the prefill pool is busy, the mirror of
+    :class:`Interference` (Dynamo's SLA planner profiles each engine alone, on its own
+    GPUs; where prefill and decode workers share cores or a device, prefill compute takes
+    from the decode steps): rows ``[prefill_busy, slowdown]``, ``prefill_busy`` the
+    fraction of the prefill pool's instances computing a prompt (its utilization, 0..1),
+    ``slowdown`` a decode step's seconds over
+    :class:`DecodeFit`'s, a ratio. Linearly interpolated in ``prefill_busy``, held constant
+    past the ends. No rows: slowdown 1 at any load."""
+
+    def __init__(self, rows: list[list[float]]) -> None:
+        r = sorted((float(row[0]), float(row[1])) for row in rows)
+        self.busy, self.slowdown = [b for b, _ in r], [x for _, x in r]
+
+    def __bool__(self) -> bool:
+        return bool(self.busy)
+
+    def at(self, busy: float) -> float:
+        """The slowdown at ``busy`` (a float; the simulation calls it once per decode step)."""
+        b, x = self.busy, self.slowdown
+        if not b:
+            return 1.0
+        if busy <= b[0]:
+            return x[0]
+        if busy >= b[-1]:
+            return x[-1]
+        j = bisect.bisect_right(b, busy)
+        f = (busy - b[j - 1]) / (b[j] - b[j - 1])
+        return x[j - 1] + f * (x[j] - x[j - 1])
+
+
+def fit_decode_interference(points: list[list[float]], fit: DecodeFit) -> list[list[float]]:
+    """``[prefill_busy, slowdown]`` per profiled duty of ``[duty, prefill_busy, batch,
+    context, itl_s]`` points: the median measured busy fraction and the median of
+    ``itl_s / fit(batch, context)`` over that median at duty 0 (so the duty-0 row is
+    ``[0, 1]``: the decode fit is of steps with the prefill pool idle), ascending in busy.
+    Without a duty-0 pass the ratios are the fit's and a ``[0, 1]`` row leads. Empty
+    without points."""
+    p = np.asarray(points, dtype=np.float64)
+    if p.ndim != 2 or p.shape[1] != 5 or not len(p):
+        return []
+    rows = []
+    for duty in np.unique(p[:, 0]):
+        q = p[p[:, 0] == duty]
+        ref = np.maximum([fit.seconds(b, c) for b, c in q[:, 2:4]], 1e-9)
+        rows.append([float(np.clip(np.median(q[:, 1]), 0.0, 1.0)), float(np.median(q[:, 4] / ref)), duty])
+    # relative to the duty-0 pass (timed interleaved with the others): the decode fit stays the
+    # idle-prefill baseline, and the pass's offset from it (noise, its shorter windows) cancels
+    idle = next((r[1] for r in rows if r[2] == 0), None)
+    rows = [[u, x / idle if idle else x] for u, x, _ in rows]
+    if idle is None:
+        rows.append([0.0, 1.0])
+    return sorted(rows)
 
 
 def fit_decode(points: list[list[float]]) -> DecodeFit:
@@ -202,7 +359,13 @@ def load_profile(path: str | Path) -> Profile:
                        prefill_points=d.get("prefill_points", []), decode_points=d.get("decode_points", []),
                        tp={k: int(v) for k, v in d.get("tp", {}).items()}, url=d.get("url", ""),
                        measured_at=d.get("measured_at", ""),
-                       prefill_under_decode=int(d.get("prefill_under_decode", 0)))
+                       prefill_under_decode=int(d.get("prefill_under_decode", 0)),
+                       interference=[[float(x) for x in row] for row in d.get("interference", [])],
+                       decode_under_prefill=[float(x) for x in d.get("decode_under_prefill", [])],
+                       decode_under_prefill_tokens=int(d.get("decode_under_prefill_tokens", 0)),
+                       decode_under_prefill_points=[[float(x) for x in row]
+                                                    for row in d.get("decode_under_prefill_points", [])],
+                       decode_interference=[[float(x) for x in row] for row in d.get("decode_interference", [])])
     except FileNotFoundError:
         raise PlanError(f"{path}: no such profile (write one with `epd plan profile --url URL --out {path}`)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -236,20 +399,36 @@ def _complete(client, base: str, model: str, prompt: list[int], max_tokens: int)
     return time.perf_counter() - t0
 
 
+def _stream(client, base: str, model: str, prompt: list[int], max_tokens: int, done: threading.Event) -> None:
+    """One streamed completion (server-sent events, one per token, as a streaming client
+    reads them), read until its end or until ``done`` is set."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with client.stream("POST", base + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise PlanError(f"a background request failed: HTTP {r.status_code}")
+        for line in r.iter_lines():
+            if done.is_set() or line.strip() == "data: [DONE]":
+                return
+            if line.startswith("data: "):
+                json.loads(line[6:])  # parsed, as a client does
+
+
 class _Background:
-    """``streams`` threads each running long-output requests (64-token prompt, as many
-    tokens as the model's length allows) until :meth:`stop`: decode load on the server."""
+    """``streams`` threads each running long-output streamed requests (64-token prompt, up
+    to 1024 tokens, as many as the model's length allows) until :meth:`stop`: the decode
+    load of ``streams`` running streams on the server, with the API's per-token streaming."""
 
     def __init__(self, client, base: str, model: str, streams: int, cap: int | None, rng: random.Random,
                  vocab_hi: int) -> None:
         self.done = threading.Event()
-        tokens = max(2, min(512, (cap or 2048) - 64))
+        tokens = max(2, min(1024, (cap or 2048) - 64))
         prompts = [[rng.randrange(10, vocab_hi) for _ in range(64)] for _ in range(streams)]
 
         def loop(prompt: list[int]) -> None:
             while not self.done.is_set():
                 try:
-                    _complete(client, base, model, prompt, tokens)
+                    _stream(client, base, model, prompt, tokens, self.done)
                 except Exception:  # noqa: BLE001 - cancelled by stop(), or the server's own error
                     return
 
@@ -257,7 +436,7 @@ class _Background:
         for t in self.threads:
             t.start()
         if streams:
-            time.sleep(1.0)  # their prefills are done: the measured windows see only decode steps
+            time.sleep(1.0 + 0.1 * streams)  # their prefills are done: the measured windows see only decode steps
 
     def stop(self) -> None:
         self.done.set()
@@ -265,12 +444,65 @@ class _Background:
             t.join()
 
 
+class _PrefillLoad:
+    """Background prefills keeping ``url``'s prefill pool busy ``duty`` of the time until
+    :meth:`stop`: completions of ``tokens`` fresh random input tokens, ``max_tokens=1``
+    (prefill, its KV transfer, no decode step); ``duty >= 1``: two clients back to back, so
+    the pool's queue never empties; below 1: one client that idles ``(1 - duty) / duty``
+    of each request's wall seconds after it. The busy fraction reached is measured, not
+    assumed (:func:`profile_server`)."""
+
+    def __init__(self, client, base: str, model: str, duty: float, tokens: int, rng: random.Random,
+                 vocab_hi: int) -> None:
+        self.done = threading.Event()
+
+        def loop(seed: int) -> None:
+            r = random.Random(seed)
+            while not self.done.is_set():
+                try:
+                    wall = _complete(client, base, model, [r.randrange(10, vocab_hi) for _ in range(tokens)], 1)
+                except Exception:  # noqa: BLE001 - the server's own error; the measured busy fraction shows it
+                    return
+                if duty < 1:
+                    self.done.wait(wall * (1 - duty) / duty)
+
+        self.threads = [threading.Thread(target=loop, args=(rng.randrange(2**31),), daemon=True)
+                        for _ in range(2 if duty >= 1 else 1)]
+        for t in self.threads:
+            t.start()
+        time.sleep(0.3)  # the first background prefills are running
+
+    def stop(self) -> None:
+        self.done.set()
+        for t in self.threads:
+            t.join()
+
+
+def _prefill_busy(client, url: str, pool: str, instances: int, seconds: float = 1.0) -> float:
+    """The ``pool`` prefill pool's busy fraction over the next ``seconds``: its
+    ``epd_prefill_seconds`` over the window's wall seconds and ``instances``, at most 1
+    (prompts batched into one step each count the step's seconds, so the sum can pass the
+    wall time of a saturated pool)."""
+    before = scrape(client, metrics_url(url))
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    h = Window(before, scrape(client, metrics_url(url))).histogram("epd_prefill_seconds", pool)
+    wall = time.perf_counter() - t0
+    return min(1.0, (h.sum if h is not None else 0.0) / (wall * instances))
+
+
 def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 3, batches=DEFAULT_BATCHES,
-                   contexts=DEFAULT_CONTEXTS, decode_tokens: int = 64, prefill_background: int = 0, seed: int = 0,
-                   timeout_s: float = 300.0, log=None) -> Profile:
+                   contexts=DEFAULT_CONTEXTS, decode_tokens: int = 64, prefill_background: int | tuple[int, ...] = 0,
+                   decode_under_prefill: tuple[float, ...] = (), prefill_load_tokens: int = 512,
+                   seed: int = 0, timeout_s: float = 300.0, log=None) -> Profile:
     """Measure ``url``'s prefill and decode (the module docstring says how). Lengths and
     contexts are capped so prompt + output fits the model's ``max_model_len``.
-    ``prefill_background``: decode streams kept running while prefill is timed.
+    ``prefill_background``: the decode stream counts prefill is timed under, one pass each
+    (0: prefill alone); two or more give the profile's interference table.
+    ``decode_under_prefill``: the prefill duty cycles (0..1) one decode point (the middle
+    of ``batches``, the shortest context, ``max(3, repeats)`` times) is timed under, with
+    background prefills of ``prefill_load_tokens`` input tokens; any duty above 0 gives the
+    profile's decode-under-prefill table (none: decode timed with the prefill pool idle only).
 
     Raises:
         PlanError: the server cannot be read, has no prefill/pd pool, or a request fails.
@@ -278,39 +510,43 @@ def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 
     import httpx
 
     log = log or (lambda msg: None)
+    levels = sorted({int(prefill_background)} if isinstance(prefill_background, int) else set(prefill_background))
     base = metrics_url(url).removesuffix("/metrics")
     rng = random.Random(seed)
     try:
-        with httpx.Client(timeout=timeout_s) as client:
+        with httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max(levels) + 16)) as client:
             model, max_len = _model_info(client, base)
             first = scrape(client, metrics_url(url))
             w0 = Window(first, first)
             pool = _prefill_pool(w0)
-            pools = {p: w0.instances(p) for p in w0.pools() if p != "api"}
+            pools = {p: w0.instances(p) for p in w0.pools() if p in SERVING_POOLS}
             cap = (max_len - 2) if max_len else None
             lens = sorted({min(n, cap) if cap else n for n in lengths})
             vocab_hi = 400  # the tiny models' vocabularies are >= 400; real ones far larger
             _complete(client, base, model, [rng.randrange(10, vocab_hi) for _ in range(16)], 1)  # warm-up
-            background = _Background(client, base, model, prefill_background, cap, rng, vocab_hi)
             prefill_points = []
-            try:
-                for n in lens:
-                    got = 0
-                    for _ in range(repeats * 4):  # a window that holds a background prefill is measured again
-                        before = scrape(client, metrics_url(url))
-                        ttft = _complete(client, base, model, [rng.randrange(10, vocab_hi) for _ in range(n)], 1)
-                        h = Window(before, scrape(client, metrics_url(url))).histogram("epd_prefill_seconds", pool)
-                        if h is None or not h.count:
-                            raise PlanError(f"the {pool} pool observed no epd_prefill_seconds for a request")
-                        if h.count == 1:
-                            prefill_points.append([n, h.sum, ttft])
-                            got += 1
-                            if got == repeats:
-                                break
-                    log(f"prefill {n:5d} tokens: {np.mean([p[1] for p in prefill_points[-got:]]) * 1e3:8.1f} ms"
-                        + (f" (under {prefill_background} decode streams)" if prefill_background else ""))
-            finally:
-                background.stop()
+            for level in levels:
+                background = _Background(client, base, model, level, cap, rng, vocab_hi)
+                try:
+                    for n in lens:
+                        got = 0
+                        for _ in range(repeats * 6):  # a window that holds a background prefill is measured again
+                            before = scrape(client, metrics_url(url))
+                            ttft = _complete(client, base, model, [rng.randrange(10, vocab_hi) for _ in range(n)], 1)
+                            h = Window(before, scrape(client, metrics_url(url))).histogram("epd_prefill_seconds",
+                                                                                            pool)
+                            if h is None or not h.count:
+                                raise PlanError(f"the {pool} pool observed no epd_prefill_seconds for a request")
+                            if h.count == 1:
+                                prefill_points.append([n, h.sum, ttft, level])
+                                got += 1
+                                if got == repeats:
+                                    break
+                        if got:
+                            log(f"prefill {n:5d} tokens: {np.mean([p[1] for p in prefill_points[-got:]]) * 1e3:8.1f}"
+                                f" ms" + (f" (under {level} decode streams)" if level else ""))
+                finally:
+                    background.stop()
             dpool = next((p for p in ("decode", "pd") if p in pools), None)
             if dpool is None:
                 raise PlanError(f"no decode or pd pool in the server's metrics (pools: {', '.join(pools)})")
@@ -329,15 +565,48 @@ def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 
                     decode_points.append([batch, ctx + decode_tokens / 2, h.mean])
                     log(f"decode {b:3d} streams (mean batch {batch:4.1f}) context {ctx:5d}: "
                         f"step {h.mean * 1e3:7.2f} ms")
+            dfit = fit_decode(decode_points)
+            duties = sorted(set(decode_under_prefill)) if any(d > 0 for d in decode_under_prefill) else []
+            dup_points: list[list[float]] = []
+            load_tokens = min(prefill_load_tokens, cap) if cap else prefill_load_tokens
+            b = sorted(batches)[len(batches) // 2]
+            ctx = min(min(c, cap - decode_tokens) if cap else c for c in contexts)
+            for _ in range(max(3, repeats)):  # the duties interleaved: a drift of the machine's load hits all
+                for duty in duties:
+                    load = _PrefillLoad(client, base, model, duty, load_tokens, rng, vocab_hi) if duty > 0 else None
+                    try:
+                        busy = _prefill_busy(client, url, pool, max(1, pools.get(pool, 1))) if load else 0.0
+                        prompts = [[rng.randrange(10, vocab_hi) for _ in range(ctx)] for _ in range(b)]
+                        before = scrape(client, metrics_url(url))
+                        with ThreadPoolExecutor(b) as pool_:
+                            list(pool_.map(lambda pr: _complete(client, base, model, pr, decode_tokens), prompts))
+                        h = Window(before, scrape(client, metrics_url(url))).histogram("epd_decode_step_seconds",
+                                                                                        dpool)
+                    finally:
+                        if load is not None:
+                            load.stop()
+                    if h is None or not h.count:
+                        raise PlanError(f"the {dpool} pool observed no epd_decode_step_seconds")
+                    batch = min(b, b * (decode_tokens - 1) / h.count)
+                    context = ctx + decode_tokens / 2
+                    dup_points.append([duty, busy, batch, context, h.mean])
+                    log(f"decode {b:3d} streams (mean batch {batch:4.1f}) context {ctx:5d} under prefill duty "
+                        f"{duty:g} (busy {busy:.2f}): step {h.mean * 1e3:7.2f} ms, "
+                        f"x{h.mean / max(dfit.seconds(batch, context), 1e-9):.2f} of the fit")
     except httpx.HTTPError as e:
         raise PlanError(f"cannot profile {url}: {type(e).__name__}: {e}") from None
     except MetricsError as e:
         raise PlanError(str(e)) from None
     tp = {p: 1 for p in pools}
-    return Profile(model=model, pools=pools, prefill=fit_prefill(prefill_points), decode=fit_decode(decode_points),
+    fit = fit_prefill(prefill_points)
+    return Profile(model=model, pools=pools, prefill=fit, decode=dfit,
                    prefill_points=prefill_points, decode_points=decode_points, tp=tp, url=url,
                    measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   prefill_under_decode=prefill_background)
+                   prefill_under_decode=max(levels), interference=fit_interference(prefill_points, fit),
+                   decode_under_prefill=[float(d) for d in duties],
+                   decode_under_prefill_tokens=load_tokens if duties else 0,
+                   decode_under_prefill_points=dup_points,
+                   decode_interference=fit_decode_interference(dup_points, dfit))
 
 
 # ---- the workload and the simulation ---------------------------------------------------------
@@ -392,28 +661,58 @@ def trace_workload(path: str | Path, limit: int | None = 1000, start: int = 0, s
                     + (f", {rate:g} req/s" if rate else ""))
 
 
-def simulate_prefill(w: Workload, fit: PrefillFit, instances: int) -> tuple[np.ndarray, np.ndarray]:
-    """FIFO through ``instances`` single-server prefill instances. Returns (TTFT s, time the
-    request's first token is out, s) per request."""
+def simulate_prefill(w: Workload, fit: PrefillFit, instances: int, interference: Interference | None = None,
+                     streams_at=None) -> tuple[np.ndarray, np.ndarray]:
+    """FIFO through ``instances`` single-server prefill instances. A request's service time
+    is ``fit.seconds(input_len)`` times the interference slowdown at ``streams_at(start)``
+    decode streams (a function of the time, s, the prefill starts; None: no streams), and
+    ``TTFT = done - arrival + overhead`` (the interference's overhead at the same streams).
+    Returns (TTFT s, time the request's first token is out, s) per request."""
+    return _prefill_run(w, fit, instances, interference, streams_at)[:2]
+
+
+def _prefill_run(w: Workload, fit: PrefillFit, instances: int, interference: Interference | None = None,
+                 streams_at=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`simulate_prefill`'s TTFT and first-token times and, per request, when its
+    prefill compute starts and ends on its instance (s): the prefill pool's busy intervals."""
+    interference = interference or Interference([], fit.overhead_s)
     free = [0.0] * instances
     heapq.heapify(free)
-    service = fit.seconds(w.input_len.astype(np.float64))
+    base = fit.seconds(w.input_len.astype(np.float64))
     done = np.empty(len(w.arrival_s))
-    for i, (t, s) in enumerate(zip(w.arrival_s, service)):
-        start = max(t, heapq.heappop(free))
-        done[i] = start + s
+    begin = np.empty(len(w.arrival_s))
+    overhead = np.empty(len(w.arrival_s))
+    for i, (t, s) in enumerate(zip(w.arrival_s, base)):
+        begin[i] = start = max(t, heapq.heappop(free))
+        slow, overhead[i] = interference.at(streams_at(start) if streams_at is not None else 0.0)
+        done[i] = start + s * float(slow)
         heapq.heappush(free, done[i])
-    ttft = done - w.arrival_s + fit.overhead_s
-    return ttft, w.arrival_s + ttft
+    ttft = done - w.arrival_s + overhead
+    return ttft, w.arrival_s + ttft, begin, done
 
 
-def simulate_decode(w: Workload, fit: DecodeFit, instances: int, first_token_s: np.ndarray) -> np.ndarray:
-    """Continuous batching on ``instances`` decode instances (least running streams first);
-    returns every inter-token gap (s) of every request's ``output_len - 1`` later tokens."""
+def prefill_busy_over_time(start_s: np.ndarray, done_s: np.ndarray, per: float = 1.0):
+    """A function of time t (s) -> prefill instances computing a prompt at t (``start <= t <
+    done``, intervals of :func:`_prefill_run`), over ``per``: with ``per`` the simulated
+    pool's instances, the utilization (0..1) :class:`DecodeInterference` is read at."""
+    starts, ends = sorted(map(float, start_s)), sorted(map(float, done_s))
+    per = float(per) or 1.0
+
+    def at(t: float) -> float:
+        return (bisect.bisect_right(starts, t) - bisect.bisect_right(ends, t)) / per
+
+    return at
+
+
+def _decode_run(w: Workload, fit: DecodeFit, instances: int, first_token_s: np.ndarray, slowdown_at=None
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`simulate_decode`'s gaps (s) and, per request, the time (s) of its last token
+    (its first token's time when it has no later one)."""
     order = np.argsort(first_token_s, kind="stable")
-    arrivals = [(float(first_token_s[i]), int(w.input_len[i]), int(w.output_len[i]) - 1) for i in order
+    arrivals = [(float(first_token_s[i]), int(w.input_len[i]), int(w.output_len[i]) - 1, int(i)) for i in order
                 if w.output_len[i] > 1]
-    # per instance: running [context, tokens left, time of last token]
+    end = np.asarray(first_token_s, dtype=np.float64).copy()
+    # per instance: running [context, tokens left, time of last token, request index]
     running: list[list[list[float]]] = [[] for _ in range(instances)]
     clock = [0.0] * instances
     gaps: list[float] = []
@@ -423,23 +722,92 @@ def simulate_decode(w: Workload, fit: DecodeFit, instances: int, first_token_s: 
         busy = [k for k in range(instances) if running[k]]
         k = min(busy, key=lambda j: clock[j]) if busy else None
         if nxt < len(arrivals) and (k is None or arrivals[nxt][0] <= clock[k]):
-            t, ctx, left = arrivals[nxt]
+            t, ctx, left, i = arrivals[nxt]
             nxt += 1
             j = min(range(instances), key=lambda j: len(running[j]))
             if not running[j]:
                 clock[j] = max(clock[j], t)
-            running[j].append([float(ctx), float(left), t])
+            running[j].append([float(ctx), float(left), t, i])
             continue
         batch = running[k]
         step = fit.seconds(len(batch), sum(s[0] for s in batch) / len(batch))
+        if slowdown_at is not None:  # decode under prefill: the factor when the step starts
+            step *= slowdown_at(clock[k])
         clock[k] += step
         for s in batch:
             gaps.append(clock[k] - s[2])
             s[0] += 1
             s[1] -= 1
             s[2] = clock[k]
+            if s[1] <= 0:
+                end[int(s[3])] = clock[k]
         running[k] = [s for s in batch if s[1] > 0]
-    return np.asarray(gaps)
+    return np.asarray(gaps), end
+
+
+def simulate_decode(w: Workload, fit: DecodeFit, instances: int, first_token_s: np.ndarray,
+                    slowdown_at=None) -> np.ndarray:
+    """Continuous batching on ``instances`` decode instances (least running streams first);
+    returns every inter-token gap (s) of every request's ``output_len - 1`` later tokens.
+    ``slowdown_at``: a function of a step's start time (s) -> the factor its
+    :class:`DecodeFit` seconds are multiplied by (None: 1; :func:`simulate` passes the
+    decode-under-prefill slowdown at the prefill pool's simulated busy state)."""
+    return _decode_run(w, fit, instances, first_token_s, slowdown_at)[0]
+
+
+def streams_over_time(first_token_s: np.ndarray, end_s: np.ndarray):
+    """A function of time t (s) -> decode streams running at t (requests whose first token
+    is out by t and whose last is not), over every decode instance."""
+    starts, ends = np.sort(first_token_s), np.sort(end_s)
+
+    def at(t: float) -> int:
+        return int(np.searchsorted(starts, t, "right") - np.searchsorted(ends, t, "right"))
+
+    return at
+
+
+#: fixed-point rounds of :func:`simulate` and the TTFT change (s) that ends them early
+SIM_ROUNDS = 12
+SIM_TOL_S = 1e-4
+
+
+def decode_slowdown_at(profile: Profile, start_s: np.ndarray, done_s: np.ndarray, prefill_instances: int):
+    """A function of time t (s) -> the decode-under-prefill slowdown at the prefill pool's
+    utilization at t (the prefill intervals ``start_s``..``done_s`` of a simulation of
+    ``prefill_instances``), or None when the profile has no table (decode not slowed)."""
+    table = DecodeInterference(profile.decode_interference)
+    if not table:
+        return None
+    busy = prefill_busy_over_time(start_s, done_s, prefill_instances)
+    return lambda t: table.at(busy(t))
+
+
+def simulate(profile: Profile, w: Workload, prefill_instances: int, decode_instances: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill and decode together: (TTFT s per request, every ITL gap s). Without an
+    interference table, one pass of :func:`simulate_prefill` then :func:`simulate_decode`,
+    each decode step slowed by the decode-under-prefill factor at the prefill pool's busy
+    state when it starts (:func:`decode_slowdown_at`; 1 without that table). With a
+    prefill-under-decode table, a fixed point: prefill is simulated under the decode
+    streams of the previous round's decode simulation (none in the first), decode from that
+    round's first tokens and under its prefills, until no TTFT moves by more than
+    :data:`SIM_TOL_S` (at most :data:`SIM_ROUNDS` rounds; decode is a function of the
+    prefill round, so a round whose TTFTs did not move leaves decode where it was)."""
+    inter = Interference(profile.interference, profile.prefill.overhead_s)
+    ttft, first, start, done = _prefill_run(w, profile.prefill, prefill_instances, inter)
+    gaps, end = _decode_run(w, profile.decode, decode_instances, first,
+                            decode_slowdown_at(profile, start, done, prefill_instances))
+    if not inter:
+        return ttft, gaps
+    for _ in range(SIM_ROUNDS):
+        prev = ttft
+        ttft, first, start, done = _prefill_run(w, profile.prefill, prefill_instances, inter,
+                                                streams_over_time(first, end))
+        gaps, end = _decode_run(w, profile.decode, decode_instances, first,
+                                decode_slowdown_at(profile, start, done, prefill_instances))
+        if np.max(np.abs(ttft - prev), initial=0.0) < SIM_TOL_S:
+            break
+    return ttft, gaps
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +826,12 @@ class Prediction:
         return f"e:{self.encode},p:{self.prefill},d:{self.decode}"
 
 
+def pools_text(pools: dict[str, int]) -> str:
+    """``pools`` (pool name -> instances) in ``epd launch --pools`` syntax, e.g. ``p:1,d:1``;
+    pools that are not sized (router, api) are left out."""
+    return ",".join(f"{POOL_SHORT[p]}:{pools[p]}" for p in SERVING_POOLS if p in pools)
+
+
 def _p90(x: np.ndarray) -> float:
     return float(np.quantile(x, QUANTILE)) if len(x) else 0.0
 
@@ -472,18 +846,48 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
         raise PlanError(f"--max-devices {max_devices} cannot hold one prefill (tp {tp_p}) and one decode "
                         f"(tp {tp_d}) instance")
     tried: list[Prediction] = []
-    for m in range(1, (max_devices - tp_d) // tp_p + 1):
-        ttft, first = simulate_prefill(workload, profile.prefill, m)
-        ttft_p90 = _p90(ttft)
-        tried.append(Prediction(0, m, 0, ttft_p90, math.nan, False))
-        if ttft_p90 <= ttft_slo_s:
+    seen: dict[tuple[int, int], Prediction] = {}
+
+    def predict(m: int, k: int) -> Prediction:
+        if (m, k) not in seen:
+            ttft, gaps = simulate(profile, workload, m, k)
+            t, g = _p90(ttft), _p90(gaps)
+            seen[m, k] = Prediction(0, m, k, t, g, t <= ttft_slo_s and g <= itl_slo_s)
+            tried.append(seen[m, k])
+        return seen[m, k]
+
+    if not profile.interference:  # prefill does not depend on the decode pool: size it first, alone
+        for m in range(1, (max_devices - tp_d) // tp_p + 1):
+            ttft, first, start, done = _prefill_run(workload, profile.prefill, m)
+            ttft_p90 = _p90(ttft)
+            tried.append(Prediction(0, m, 0, ttft_p90, math.nan, False))
+            if ttft_p90 <= ttft_slo_s:
+                break
+        slowdown_at = decode_slowdown_at(profile, start, done, m)  # decode under this M's prefills
+        for k in range(1, (max_devices - m * tp_p) // tp_d + 1):
+            itl_p90 = _p90(simulate_decode(workload, profile.decode, k, first, slowdown_at))
+            tried.append(Prediction(0, m, k, ttft_p90, itl_p90, ttft_p90 <= ttft_slo_s and itl_p90 <= itl_slo_s))
+            if itl_p90 <= itl_slo_s:
+                break
+        return tried[-1], tried
+    # with interference, prefill slows with the decode streams, which the decode pool's speed sets:
+    # the smallest M for the current K, then the smallest K for that M, until neither moves
+    m = k = 1
+    for _ in range(4):
+        for m2 in range(1, (max_devices - k * tp_d) // tp_p + 1):
+            if predict(m2, k).ttft_p90_s <= ttft_slo_s:
+                break
+        for k2 in range(1, (max_devices - m2 * tp_p) // tp_d + 1):
+            if predict(m2, k2).itl_p90_s <= itl_slo_s:
+                break
+        if (m2, k2) == (m, k):
             break
-    for k in range(1, (max_devices - m * tp_p) // tp_d + 1):
-        itl_p90 = _p90(simulate_decode(workload, profile.decode, k, first))
-        tried.append(Prediction(0, m, k, ttft_p90, itl_p90, ttft_p90 <= ttft_slo_s and itl_p90 <= itl_slo_s))
-        if itl_p90 <= itl_slo_s:
-            break
-    return tried[-1], tried
+        m, k = m2, k2
+    best = seen[m2, k2]
+    if not best.meets:  # the alternation can stop at a pair with a later, smaller one meeting both
+        ok = [p for p in seen.values() if p.meets]
+        best = min(ok, key=lambda p: (p.prefill * tp_p + p.decode * tp_d, p.prefill)) if ok else best
+    return best, tried
 
 
 # ---- applying the replica counts ---------------------------------------------------------------
@@ -523,9 +927,29 @@ def _positive_ints(text: str) -> tuple[int, ...]:
     return xs
 
 
+def _non_negative_ints(text: str) -> tuple[int, ...]:
+    try:
+        xs = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not xs or min(xs) < 0:
+        raise argparse.ArgumentTypeError(f"every number must be >= 0, got {text!r}")
+    return xs
+
+
+def _duties(text: str) -> tuple[float, ...]:
+    try:
+        xs = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions, got {text!r}") from None
+    if not xs or not all(0 <= x <= 1 for x in xs):
+        raise argparse.ArgumentTypeError(f"every duty must be within 0..1, got {text!r}")
+    return xs
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand (``profile``, ``recommend``) to an ``argparse`` sub-parser set."""
-    from epd.cli import _non_negative_int, _positive_int
+    from epd.cli import _positive_int
 
     p = sub.add_parser("plan", help="profile a running server and size the pools for a workload and SLOs",
                        description=__doc__.split("\n\n")[0])
@@ -540,9 +964,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pr.add_argument("--contexts", type=_positive_ints, default=DEFAULT_CONTEXTS,
                     help="decode prompt lengths, tokens (default: 64,512)")
     pr.add_argument("--decode-tokens", type=_positive_int, default=64, help="tokens per decode request")
-    pr.add_argument("--prefill-under-decode", type=_non_negative_int, default=0, metavar="STREAMS",
-                    help="time prefill while this many long decode streams run (co-located workers that share "
-                         "cores or a device interfere; default 0: prefill alone)")
+    pr.add_argument("--prefill-under-decode", type=_non_negative_ints, default=(0, 4, 16), metavar="STREAMS",
+                    help="time prefill alone (0) and/or while this many long streamed decode requests run, "
+                         "comma-separated, e.g. 0,4,16: two or more counts give the interference table that "
+                         "`recommend` slows prefill by at the simulated decode load (co-located workers that "
+                         "share cores or a device interfere; default: 0,4,16; 0 alone: prefill alone, no table)")
+    pr.add_argument("--decode-under-prefill", type=_duties, default=(0.0, 0.5, 1.0), metavar="DUTIES",
+                    help="time one decode point (the middle batch size, the shortest context) while background "
+                         "prefills keep the prefill pool busy this fraction of the time, comma-separated, e.g. "
+                         "0,0.5,1: any duty above 0 gives the decode-under-prefill table that `recommend` slows "
+                         "each decode step by at the simulated prefill pool's busy state (the mirror of "
+                         "--prefill-under-decode; default: 0,0.5,1; 0 alone: no table)")
+    pr.add_argument("--prefill-load-tokens", type=_positive_int, default=512,
+                    help="input tokens of each background prefill of --decode-under-prefill (default: 512)")
     pr.add_argument("--timeout", type=positive_float, default=300.0, help="seconds one request may take")
     pr.set_defaults(func=cmd_profile)
 
@@ -584,15 +1018,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
     try:
         prof = profile_server(args.url, lengths=args.lengths, repeats=args.repeats, batches=args.batches,
                               contexts=args.contexts, decode_tokens=args.decode_tokens,
-                              prefill_background=args.prefill_under_decode, timeout_s=args.timeout,
+                              prefill_background=args.prefill_under_decode,
+                              decode_under_prefill=args.decode_under_prefill,
+                              prefill_load_tokens=args.prefill_load_tokens, timeout_s=args.timeout,
                               log=lambda m: print(m, file=sys.stderr))
     except PlanError as e:
         return _fail(args, str(e))
     Path(args.out).write_text(json.dumps(prof.to_json(), indent=2) + "\n")
     f, d = prof.prefill, prof.decode
-    print(f"profiled {prof.model} on {', '.join(f'{k}:{v}' for k, v in prof.pools.items())} -> {args.out}\n"
+    print(f"profiled {prof.model} on {pools_text(prof.pools)} -> {args.out}\n"
           f"  prefill_s = {f.c0:.4g} + {f.c1:.4g}*n + {f.c2:.4g}*n^2, TTFT overhead {f.overhead_s * 1e3:.1f} ms\n"
-          f"  itl_s = {d.a:.4g} + {d.b:.4g}*batch + {d.c:.4g}*batch*context")
+          f"  itl_s = {d.a:.4g} + {d.b:.4g}*batch + {d.c:.4g}*batch*context"
+          + "".join(f"\n  under {s:g} decode streams: prefill x{x:.2f}, TTFT overhead {o * 1e3:.1f} ms"
+                    for s, x, o in prof.interference)
+          + "".join(f"\n  under the prefill pool {u:.0%} busy: decode step x{x:.2f}"
+                    for u, x in prof.decode_interference))
     return 0
 
 

@@ -160,7 +160,7 @@ def test_every_metric_diagnose_reads_is_declared_by_epd_metrics():
 
 
 # ---- an idle server --------------------------------------------------------------------------------------
-def test_idle_server_is_healthy_and_says_what_it_could_not_judge():
+def test_idle_server_is_not_called_healthy_and_says_what_it_could_not_judge():
     f = FakeEpd()
     f.pools(prefill=1, decode=1)
     w = _window(f, lambda f: None)
@@ -169,13 +169,54 @@ def test_idle_server_is_healthy_and_says_what_it_could_not_judge():
     assert all(c.status in ("not_evaluated", "not_applicable") for c in checks), \
         [(c.id, c.status, c.detail) for c in checks if c.status not in ("not_evaluated", "not_applicable")]
     report = dg.Report("http://x", w.duration_s, 4, dg.summarize(w), checks)
-    assert report.healthy
+    # nothing was judged: no traffic, neither healthy nor a symptom, exit 3
+    assert report.requests == 0 and report.status == "no_traffic"
+    assert not report.healthy and not report.symptoms and report.exit_code == 3
     text = report.format_text()
-    assert "healthy: no symptom found" in text and "NOT EVALUATED" in text and "idle server" in text
+    assert "no traffic in window" in text and "healthy: no symptom found" not in text
+    assert "NOT EVALUATED" in text and "idle server" in text
     data = report.to_json()
     json.dumps(data, allow_nan=False)
-    assert data["healthy"] and data["symptoms"] == []
+    assert data["status"] == "no_traffic" and not data["healthy"] and data["symptoms"] == []
     assert {d["id"] for d in data["not_evaluated"]} >= {"goodput_low", "kv_transfer_slow", "cancel_leak"}
+
+
+def test_a_few_requests_that_nothing_can_judge_are_too_little_traffic():
+    w = _window(FakeEpd(), _prefill_traffic(queue_s=0.01, n=3))
+    checks = dg.evaluate(w)
+    assert not any(c.status in ("ok", "symptom") for c in checks), [(c.id, c.status) for c in checks]
+    report = dg.Report("http://x", w.duration_s, 4, dg.summarize(w), checks)
+    assert report.requests == 3 and report.status == "too_little_traffic" and report.exit_code == 3
+    assert "too little traffic in window: 3 request(s)" in report.format_text()
+    # with enough of them the same traffic is judged, and healthy
+    w = _window(FakeEpd(), _prefill_traffic(queue_s=0.01))
+    report = dg.Report("http://x", w.duration_s, 4, dg.summarize(w), dg.evaluate(w))
+    assert report.status == "healthy" and report.healthy and report.exit_code == 0
+
+
+def test_nixl_operations_are_reported_per_transfer_not_as_requests():
+    layers = 4
+
+    def traffic(f: FakeEpd) -> None:
+        _prefill_traffic(0.01)(f)  # 20 transfers
+        f.inc(dg.KV_OPS, "prefill", 20 * layers)
+    w = _window(FakeEpd(), traffic)
+    check = next(c for c in dg.evaluate(w) if c.id == "kv_transfer_slow")
+    assert check.evidence["nixl_ops_per_transfer"] == layers
+    rates = dg.summarize(w)["prefill"]["rates"]
+    assert rates["nixl_ops_per_transfer"] == layers and "kv_transfer_requests_per_s" not in rates
+    assert rates["kv_transfer_ops_per_s"] == pytest.approx(20 * layers / w.duration_s)
+    assert "not client requests" in em._COUNTERS["kv_transfer_requests"][1]
+
+
+def test_prefix_cache_counts_are_reported_as_tokens():
+    w = _window(FakeEpd(), _prefill_traffic(0.01))  # 200 looked-up tokens a request, 150 hit
+    caches = dg.summarize(w)["prefill"]["caches"]
+    assert caches["prefix_query_tokens"] == 4000 and caches["prefix_hit_tokens"] == 3000
+    assert caches["prefix_hit_rate"] == 0.75
+    report = dg.Report("http://x", w.duration_s, 4, dg.summarize(w), dg.evaluate(w))
+    text = report.format_text()
+    assert "prefix hit (tokens)" in text and "75% of 4000 tok" in text
 
 
 # ---- each symptom: its pattern fires it, a healthy one does not -------------------------------------------
@@ -446,6 +487,18 @@ def test_cli_exit_codes_and_json(metrics_server):
              "--ignore", "kv_transfer_slow", "--ignore", "goodput_low", "--ignore", "pool_ratio_mismatch")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[ignored symptom]" in r.stdout
+
+
+def test_cli_idle_window_exits_3_not_0(metrics_server):
+    server, url = metrics_server
+    f = FakeEpd()
+    f.pools(prefill=1, decode=1)
+    _Metrics.pages = [f.text(), f.text()]
+    r = _cli("--url", url, "--window", "0.2", "--interval", "0.1")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "no traffic in window" in r.stdout and "healthy: no symptom" not in r.stdout
+    r = _cli("--url", url, "--window", "0.2", "--interval", "0.1", "--json")
+    assert r.returncode == 3 and json.loads(r.stdout)["status"] == "no_traffic"
 
 
 def test_cli_unreadable_server_exits_2(metrics_server):

@@ -186,9 +186,225 @@ def test_bad_arguments_exit_2():
     assert r.returncode == 2 and "no such profile" in r.stderr
     r = _cli("profile", "--url", "http://127.0.0.1:9", "--lengths", "0")
     assert r.returncode == 2 and "must be >= 1" in r.stderr
+    r = _cli("profile", "--url", "http://127.0.0.1:9", "--decode-under-prefill", "0,1.5")
+    assert r.returncode == 2 and "within 0..1" in r.stderr
 
 
 def test_profile_of_an_unreachable_server_exits_2(tmp_path):
     r = _cli("profile", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "p.json"), "--timeout", "2")
     assert r.returncode == 2, r.stderr
     assert "cannot" in r.stderr and not (tmp_path / "p.json").exists()
+
+
+def test_prefill_queue_is_fifo_with_exact_waits():
+    # three 512-token prompts at t=0: one instance serves them back to back, two serve two at once
+    w = trace_like([0.0, 0.0, 0.0], [512, 512, 512], [2, 2, 2])
+    s, o = PREFILL.seconds(512), PREFILL.overhead_s
+    one, first = simulate_prefill(w, PREFILL, 1)
+    assert one == pytest.approx([s + o, 2 * s + o, 3 * s + o])
+    assert first == pytest.approx(one)  # arrivals at 0
+    two, _ = simulate_prefill(w, PREFILL, 2)
+    assert two == pytest.approx([s + o, s + o, 2 * s + o])
+    # a later arrival that finds the instance free does not wait
+    late, _ = simulate_prefill(trace_like([0.0, 10.0], [512, 512], [2, 2]), PREFILL, 1)
+    assert late == pytest.approx([s + o, s + o])
+
+
+def trace_like(arrivals, isl, osl):
+    from epd.plan import Workload
+
+    return Workload(np.asarray(arrivals, dtype=float), np.asarray(isl), np.asarray(osl), "test")
+
+
+INTERFERENCE = [[0, 1.0, 0.02], [2, 3.0, 0.06]]  # 2 decode streams: prefill x3, overhead 60 ms
+
+
+def test_interference_table_interpolates_and_holds_past_its_ends():
+    from epd.plan import Interference
+
+    inter = Interference(INTERFERENCE, 0.01)
+    slow, over = inter.at(np.array([0, 1, 2, 5]))
+    assert slow == pytest.approx([1.0, 2.0, 3.0, 3.0])
+    assert over == pytest.approx([0.02, 0.04, 0.06, 0.06])
+    none = Interference([], 0.01)
+    assert not none and none.at(3.0)[0] == 1.0 and none.at(3.0)[1] == 0.01
+
+
+def test_fit_interference_recovers_the_slowdown_and_overhead():
+    from epd.plan import fit_interference
+
+    n = [64, 256, 1024]
+    pts = [[x, PREFILL.seconds(x), PREFILL.seconds(x) + 0.02, 0] for x in n]
+    pts += [[x, 2.5 * PREFILL.seconds(x), 2.5 * PREFILL.seconds(x) + 0.05, 8] for x in n]
+    fit = fit_prefill(pts)  # the 0-stream points only
+    assert (fit.c0, fit.c1) == pytest.approx((PREFILL.c0, PREFILL.c1), rel=1e-6)
+    rows = fit_interference(pts, fit)
+    assert np.asarray(rows) == pytest.approx(np.array([[0, 1.0, 0.02], [8, 2.5, 0.05]]), rel=1e-6)
+    assert fit_interference([p[:3] for p in pts[:3]], fit) == []  # one level: no table
+
+
+def test_simulation_slows_a_prefill_by_the_decode_streams_running_at_its_start():
+    from epd.plan import simulate
+
+    # A (at 0) decodes 2000 tokens at 12 ms+ a token (until ~24 s); B (at 1 s) and C (at 2 s)
+    # start their prefill while A and then A+B stream; D at 100 s finds no stream
+    w = trace_like([0.0, 1.0, 2.0, 100.0], [512, 512, 512, 512], [2000, 2000, 1, 1])
+    prof = Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
+                   interference=INTERFERENCE)
+    ttft, gaps = simulate(prof, w, 1, 1)
+    s = PREFILL.seconds(512)
+    assert ttft == pytest.approx([s + 0.02, 2 * s + 0.04, 3 * s + 0.06, s + 0.02])
+    # without the table the same workload's TTFTs are the bare prefill: the slowdown is the table's
+    plain, _ = simulate(Profile(model="tiny", pools={}, prefill=PREFILL, decode=DECODE), w, 1, 1)
+    assert plain == pytest.approx([s + 0.02] * 4)
+    assert len(gaps) == 2 * 1999
+
+
+def test_interference_can_need_more_prefill_instances():
+    w = synthetic_workload(512, 64, rate=6.0, n=300)  # 6 x 0.11 s: 0.66 busy alone, over 1 when x2
+    alone, _ = recommend(profile(), w, ttft_slo_s=0.5, itl_slo_s=0.1)
+    shared = Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
+                     tp={"prefill": 1, "decode": 1}, interference=[[0, 1.0, 0.02], [4, 2.0, 0.02]])
+    slowed, tried = recommend(shared, w, ttft_slo_s=0.5, itl_slo_s=0.1)
+    assert alone.meets and slowed.meets
+    assert alone.prefill == 1 and slowed.prefill >= 2
+    assert any(c.prefill == 1 and c.ttft_p90_s > 0.5 for c in tried)
+
+
+def test_pools_text_is_launch_syntax_without_the_router():
+    from epd.plan import pools_text
+
+    assert pools_text({"router": 0, "prefill": 1, "decode": 2, "api": 1}) == "p:1,d:2"
+    assert pools_text({"pd": 2, "encode": 1}) == "e:1,pd:2"
+
+
+def test_profile_json_round_trips_the_interference_table(tmp_path):
+    p = Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
+                prefill_points=[[64, 0.01, 0.03, 0], [64, 0.02, 0.05, 4]], interference=INTERFERENCE,
+                prefill_under_decode=4)
+    (tmp_path / "p.json").write_text(json.dumps(p.to_json()))
+    back = load_profile(tmp_path / "p.json")
+    assert back.interference == INTERFERENCE and back.prefill_under_decode == 4
+    assert back.prefill_points == p.prefill_points
+    old = p.to_json()
+    del old["interference"]  # a version-1 profile: no table, prefill alone
+    (tmp_path / "v1.json").write_text(json.dumps(old))
+    assert load_profile(tmp_path / "v1.json").interference == []
+
+
+# ---- decode under prefill (the mirror of the interference table) ---------------------------------
+DECODE_INTERFERENCE = [[0.0, 1.0], [1.0, 3.0]]  # prefill pool busy all the time: decode steps x3
+
+
+def test_decode_interference_table_interpolates_and_holds_past_its_ends():
+    from epd.plan import DecodeInterference
+
+    table = DecodeInterference([[1.0, 3.0], [0.0, 1.0]])  # sorted on load
+    assert [table.at(u) for u in (-1.0, 0.0, 0.25, 0.5, 1.0, 2.0)] == pytest.approx([1, 1, 1.5, 2, 3, 3])
+    none = DecodeInterference([])
+    assert not none and none.at(0.7) == 1.0
+
+
+def test_fit_decode_interference_recovers_the_slowdown_at_the_measured_busy_fraction():
+    from epd.plan import fit_decode_interference
+
+    pts = [[0, 0.04, 3.5, 80, DECODE.seconds(3.5, 80)], [0, 0.06, 3.5, 80, DECODE.seconds(3.5, 80)],
+           [1, 0.9, 2.5, 80, 2.0 * DECODE.seconds(2.5, 80)], [1, 0.95, 3.0, 80, 2.2 * DECODE.seconds(3.0, 80)]]
+    rows = fit_decode_interference(pts, DECODE)
+    assert np.asarray(rows) == pytest.approx(np.array([[0.05, 1.0], [0.925, 2.1]]))
+    # relative to the duty-0 pass: an offset of the whole pass from the fit cancels
+    off = [[d, u, b, c, 0.8 * t] for d, u, b, c, t in pts]
+    assert np.asarray(fit_decode_interference(off, DECODE)) == pytest.approx(np.array([[0.05, 1.0], [0.925, 2.1]]))
+    # without a duty-0 pass the table starts at the decode fit's own (idle prefill) point
+    assert np.asarray(fit_decode_interference(pts[2:], DECODE)) == pytest.approx(np.array([[0.0, 1.0], [0.925, 2.1]]))
+    assert fit_decode_interference([], DECODE) == []
+
+
+def _with_decode_table(table=DECODE_INTERFERENCE, **kw) -> Profile:
+    return Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
+                   tp={"prefill": 1, "decode": 1}, decode_interference=table, **kw)
+
+
+def test_decode_steps_that_start_during_a_prefill_are_slowed_and_the_others_are_not():
+    from epd.plan import simulate
+
+    # A (at 0) decodes 300 tokens at 12 ms a step (until ~3.7 s); B's prefill (at 1 s, 512 tokens,
+    # 107 ms) overlaps A's steps from 1.0 to 1.107 s
+    w = trace_like([0.0, 1.0], [512, 512], [300, 1])
+    _, plain = simulate(profile(), w, 1, 1)
+    _, slowed = simulate(_with_decode_table(), w, 1, 1)
+    step = DECODE.seconds(1, 0)
+    assert plain == pytest.approx([step] * 299)
+    n_slow = int(np.sum(np.isclose(slowed, 3 * step)))
+    assert 3 <= n_slow <= 4  # the steps starting in B's 107 ms prefill, at x3 each
+    assert np.sum(np.isclose(slowed, step)) == 299 - n_slow
+    # one request: its own prefill ends before its first decode step, nothing overlaps
+    alone = trace_like([0.0], [512], [300])
+    assert simulate(_with_decode_table(), alone, 1, 1)[1] == pytest.approx(simulate(profile(), alone, 1, 1)[1])
+
+
+def test_decode_under_prefill_raises_p90_itl_where_prefills_overlap_decode():
+    from epd.plan import simulate
+
+    w = synthetic_workload(512, 64, rate=6.0, n=300)  # prefill busy ~65% of the time
+    ttft0, gaps0 = simulate(profile(), w, 1, 1)
+    ttft1, gaps1 = simulate(_with_decode_table(), w, 1, 1)
+    assert np.quantile(gaps1, 0.9) > 1.5 * np.quantile(gaps0, 0.9)
+    assert ttft1 == pytest.approx(ttft0)  # prefill is not slowed by this table
+    # a table that says "no slowdown" predicts what no table does
+    assert simulate(_with_decode_table([[0, 1.0], [1, 1.0]]), w, 1, 1)[1] == pytest.approx(gaps0)
+    # and the search answers it with more decode instances for the same ITL SLO
+    alone, _ = recommend(profile(), w, ttft_slo_s=0.5, itl_slo_s=0.05)
+    slowed, tried = recommend(_with_decode_table(), w, ttft_slo_s=0.5, itl_slo_s=0.05)
+    assert alone.meets and alone.decode == 1
+    assert slowed.meets and slowed.decode > alone.decode
+    assert any(c.decode == 1 and c.itl_p90_s > 0.05 for c in tried)
+
+
+def test_both_tables_together_converge_and_slow_both():
+    from epd.plan import SIM_ROUNDS, simulate
+
+    w = synthetic_workload(512, 64, rate=6.0, n=300)
+    pre = Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
+                  interference=[[0, 1.0, 0.02], [4, 1.5, 0.02]])
+    both = Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
+                   interference=[[0, 1.0, 0.02], [4, 1.5, 0.02]], decode_interference=DECODE_INTERFERENCE)
+    ttft_p, gaps_p = simulate(pre, w, 1, 1)
+    ttft_b, gaps_b = simulate(both, w, 1, 1)
+    assert np.isfinite(ttft_b).all() and np.isfinite(gaps_b).all() and SIM_ROUNDS <= 20
+    # slower decode keeps more streams running, which slows prefill further
+    assert np.quantile(gaps_b, 0.9) > np.quantile(gaps_p, 0.9)
+    assert np.quantile(ttft_b, 0.9) >= np.quantile(ttft_p, 0.9)
+
+
+def test_a_profile_without_the_decode_table_loads_and_predicts_as_before(tmp_path):
+    from epd.plan import simulate
+
+    p = _with_decode_table(decode_under_prefill=[0.0, 0.5, 1.0], decode_under_prefill_tokens=512,
+                           decode_under_prefill_points=[[0, 0.05, 4, 96, 0.02], [1, 0.9, 3, 96, 0.05]])
+    (tmp_path / "p.json").write_text(json.dumps(p.to_json()))
+    back = load_profile(tmp_path / "p.json")
+    assert back.decode_interference == DECODE_INTERFERENCE and back.decode_under_prefill == [0.0, 0.5, 1.0]
+    assert back.decode_under_prefill_tokens == 512 and back.decode_under_prefill_points == p.decode_under_prefill_points
+    old = p.to_json()
+    for key in ("decode_under_prefill", "decode_under_prefill_tokens", "decode_under_prefill_points",
+                "decode_interference"):
+        del old[key]  # a profile written before the term
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    prev = load_profile(tmp_path / "old.json")
+    assert prev.decode_interference == [] and prev.decode_under_prefill == []
+    w = synthetic_workload(512, 64, rate=6.0, n=200)
+    for a, b in zip(simulate(prev, w, 1, 1), simulate(profile(), w, 1, 1)):
+        assert a == pytest.approx(b)
+    assert recommend(prev, w, 0.5, 0.03)[0] == recommend(profile(), w, 0.5, 0.03)[0]
+
+
+def test_the_decode_table_is_read_at_the_simulated_prefill_pools_utilization():
+    from epd.plan import prefill_busy_over_time, simulate
+
+    busy = prefill_busy_over_time(np.array([0.0, 0.5]), np.array([1.0, 2.0]), 2)
+    assert [busy(t) for t in (-1.0, 0.0, 0.7, 1.0, 1.5, 2.0)] == [0, 0.5, 1.0, 0.5, 0.5, 0]
+    # the same arrivals over more prefill instances keep each busy less: fewer steps are slowed
+    w = synthetic_workload(512, 64, rate=6.0, n=300)
+    itl = [np.quantile(simulate(_with_decode_table(), w, m, 2)[1], 0.9) for m in (1, 2, 3)]
+    assert itl[0] > itl[1] > itl[2] > np.quantile(simulate(profile(), w, 3, 2)[1], 0.9)

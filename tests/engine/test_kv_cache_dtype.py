@@ -8,7 +8,8 @@ sequence diverges its later positions rarely agree, so this bounds how early any
 diverges; each prompt's first divergence is reported), and, on the common prefix,
 the log-probability of each chosen token is within ``LOGPROB_TOL`` of the full-precision
 engine's (vLLM's check_logprobs_close, tests/models/utils.py). The agreement floor is
-``MIN_AGREEMENT`` (measured figures there); 95 % is the goal, not reached yet.
+``MIN_AGREEMENT`` (measured figures there); the issue's 95 % is not reached on these
+prompts (int8 91.1 %, fp8_e4m3 76.5 %, measured 2026-12-04; epd.kernels.kv_quant).
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ from epd.kernels.kv_quant import scale_bytes
 
 NEW_TOKENS = 32
 LOGPROB_TOL = {"int8": 0.1, "fp8_e4m3": 0.3}  # nats, p99 (the worst may be twice it)
-# Measured 2026-12-03 (one scale per 16 values): int8 93.6 %, fp8_e4m3 76.5 %. The issue's
-# 95 % is not reached; these floors catch a regression, not the target.
-MIN_AGREEMENT = {"int8": 0.90, "fp8_e4m3": 0.70}
+# Measured 2026-12-04 through the real cache (per 16 values: int8 a float16 scale and min,
+# fp8 a float32 scale), fp32 model, x86-64 with the C++ decode kernel: int8 1457/1600 = 91.1 %
+# (10 prompts diverge, the first at token 6), fp8_e4m3 1224/1600 = 76.5 % (21 diverge, the
+# first at token 6). Earlier runs of nearly the same code measured int8 93.1 % and fp8 72.2 %:
+# a sub-ulp change (the scales' rounding, the attention kernel's summation order) moves
+# these by 2-4 points, so the floors sit under every measurement: they catch a broken
+# quantizer or layout, not that noise. The issue's 95 % is not reached on these prompts.
+MIN_AGREEMENT = {"int8": 0.88, "fp8_e4m3": 0.66}
 SUBJECTS = ["the ocean", "a small robot", "the history of Rome", "prime numbers", "a rainy day", "coffee",
             "the moon landing", "photosynthesis", "a lost cat", "the internet"]
 FORMS = ["Write one sentence about {}.", "Tell me a fact about {}.", "What is interesting about {}?",
@@ -36,7 +42,11 @@ PROMPTS = [f.format(s) for s, f in itertools.product(SUBJECTS, FORMS)]  # 50
 def _generate(model_dir, kv_cache_dtype):
     from epd import LLM, SamplingParams
 
-    llm = LLM(model_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=0.25)
+    # target_step_ms=0: the step-time bound sizes prefill chunks from measured step times, and a
+    # quantized cache's logprobs depend on the chunk boundaries (a chunk attends to its own K/V
+    # in full precision); without the time bound the chunks, so the figures, are repeatable.
+    llm = LLM(model_dir, dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gb=0.25,
+              target_step_ms=0)
     try:
         messages = [[{"role": "user", "content": p}] for p in PROMPTS]
         prompts = [llm.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
@@ -77,9 +87,46 @@ def test_kv_cache_dtype_sizes_the_cache_and_is_checked(tiny_model_dirs):
     full = EngineConfig(d, dtype="float32", kv_cache_memory_gb=0.001)
     q = EngineConfig(d, dtype="float32", kv_cache_dtype="int8", kv_cache_memory_gb=0.001)
     assert EngineConfig(d, kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's name
-    # head_dim values of 1 byte + their float32 scales, against 4-byte values
+    # head_dim values of 1 byte + their scale bytes (4 per 16 values), against 4-byte values
     assert q.kv_bytes_per_block() * 4 * full.head_dim == full.kv_bytes_per_block() * (full.head_dim
                                                                                      + scale_bytes(full.head_dim))
     assert q.resolve_num_kv_blocks() > full.resolve_num_kv_blocks()
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
         EngineConfig(d, kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_quantized_kv_prefix_hit_and_chunks_stay_close(tiny_model_dirs, kind):
+    """A prefill attends to its own chunk's full-precision K/V and to earlier tokens' K/V as
+    stored (quantized), as SGLang's ragged + paged prefill does. So a prompt prefilled
+    over a 32-token prefix-cache hit equals the same prompt prefilled in chunks of 32 (both
+    attend to the quantized rows 0-31 and to their own rows 32-44 unquantized), and both
+    differ from a prefill from scratch by the quantization error only (README.md says so),
+    within twice the tolerance against a full-precision cache. A hit that read another sequence's blocks
+    would not equal the chunked run. (Attending to the dequantized rows everywhere,
+    as vLLM's paged kernels do, makes all three equal but lowered SmolLM2's int8 agreement
+    with the full-precision cache from 93.1 to 65.8 % in
+    test_quantized_kv_greedy_agrees_with_full_precision: the error compounds through the
+    prompt's layers.)"""
+    from epd import LLM, SamplingParams
+
+    d = tiny_model_dirs["llama"]
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(45)]  # 2 full blocks of 16 and a partial one
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+
+    def run(**kw):
+        llm = LLM(d, dtype="float32", kv_cache_dtype=kind, kv_cache_memory_gb=0.01, block_size=16, **kw)
+        try:
+            return [llm.generate([prompt], params)[0] for _ in range(2)]
+        finally:
+            llm.shutdown()
+
+    (miss, hit), (chunked, _) = run(), run(max_num_batched_tokens=32)
+    assert miss.num_cached_tokens == 0 and hit.num_cached_tokens == 32 and chunked.num_cached_tokens == 0
+    lps = {name: torch.tensor([lp.logprob for lp in o.outputs[0].logprobs]) for name, o in
+           (("miss", miss), ("hit", hit), ("chunked", chunked))}
+    assert list(hit.outputs[0].token_ids) == list(chunked.outputs[0].token_ids)
+    torch.testing.assert_close(lps["hit"], lps["chunked"], atol=1e-4, rtol=0)
+    first = abs(lps["hit"][0] - lps["miss"][0])  # the first token: the prompt's K/V only
+    assert hit.outputs[0].token_ids[0] == miss.outputs[0].token_ids[0]
+    assert first < 2 * LOGPROB_TOL[kind], (lps["hit"][0], lps["miss"][0])

@@ -14,23 +14,33 @@ KINDS = list(KV_QUANT)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_rows_pack_values_then_their_scale_within_the_error_bound(kind):
+def test_rows_pack_values_then_their_scales_within_the_error_bound(kind):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 2, 50).view(50, 1, 1)  # rows of all scales
     x[7, 1] = 0.0  # an all-zero row
+    x[9, 2] = 3.0 + 0.01 * torch.randn(64, generator=g)  # an offset channel group (K's outliers)
     y_odd = dequantize_kv(quantize_kv(torch.randn(4, 2, 20, generator=g), kind), kind, torch.float32)
     assert y_odd.shape == (4, 2, 20)  # a head_dim GROUP does not divide: one scale a row
     packed = quantize_kv(x, kind)
     assert scale_bytes(64) == 4 * 64 // GROUP
     assert packed.shape == (50, 3, 64 + scale_bytes(64)) and packed.dtype == torch.uint8
-    scale = packed[..., 64:].contiguous().view(torch.float32)  # [50, 3, groups]
-    assert torch.allclose(scale, x.reshape(50, 3, -1, GROUP).abs().amax(-1) / KV_QUANT[kind][1])
+    grouped = x.reshape(50, 3, -1, GROUP)
+    lo, hi = grouped.amin(-1), grouped.amax(-1)
     y = dequantize_kv(packed, kind, torch.float32)
-    group_max = x.reshape(50, 3, -1, GROUP).abs().amax(-1, keepdim=True).expand(-1, -1, -1, GROUP).reshape(50, 3, 64)
-    err = (y - x).abs() / group_max.clamp(min=1e-30)
-    # int8: half a step of absmax/127; e4m3: 3 mantissa bits, relative error <= 2^-4 of the value
-    bound = 0.5 / 127 + 1e-6 if kind == "int8" else 2.0 ** -4
-    assert float(err.max()) <= bound, float(err.max())
+    err = (y - x).abs().reshape(50, 3, -1, GROUP).amax(-1)  # [50, 3, groups]
+    if kind == "int8":  # float16 (scale, min) per group; codes 0..255 over [min, max]
+        meta = packed[..., 64:].contiguous().view(torch.float16).float().reshape(50, 3, -1, 2)
+        assert torch.allclose(meta[..., 1], lo, rtol=2 ** -10, atol=2 ** -24)
+        assert torch.allclose(meta[..., 0], (hi - meta[..., 1]) / 255, rtol=2 ** -10, atol=2 ** -24)
+        # half a code step (min rounded down, scale up: no code is clamped), float32's rounding
+        assert bool((meta[..., 1] <= lo).all()) and bool((meta[..., 1] + 255 * meta[..., 0] >= hi).all())
+        bound = 0.5 * meta[..., 0] + 2 ** -20 * (lo.abs() + hi.abs())
+        assert float(err[9, 2].max()) < 0.1 / 255  # the offset group keeps its 0.01 spread (absmax: 3 / 254)
+    else:  # float32 absmax scale per group; e4m3 has 3 mantissa bits: 2^-4 of the value
+        scale = packed[..., 64:].contiguous().view(torch.float32)
+        assert torch.allclose(scale, grouped.abs().amax(-1) / KV_QUANT[kind][1])
+        bound = 2.0 ** -4 * torch.maximum(lo.abs(), hi.abs()) + 1e-30
+    assert bool((err <= bound).all()), float((err - bound).max())
     assert torch.equal(y[7, 1], torch.zeros(64))
 
 
@@ -60,3 +70,42 @@ def test_decode_attention_on_a_quantized_cache_is_close_to_full_precision(kind):
     assert torch.allclose(out, full, atol=1e-6)
     tol = 0.02 if kind == "int8" else 0.1
     assert float((out - ref).abs().max()) < tol, float((out - ref).abs().max())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("head_dim", [64, 48, 20, 16])
+def test_triton_quantize_store_writes_the_references_bytes(kind, head_dim, device):
+    """The fused quantize-and-store kernel writes byte for byte what quantize_kv + the
+    reference store write (float16 scale/min rounded down/up as _round_fp16, codes
+    rounded half to even), for rows of every scale, all-zero and constant rows, an
+    offset group and values beyond float16; slots < 0 are skipped and a strided key
+    (a slice of a fused qkv output) works. head_dim 48 has 3 groups, 20 one scale a row."""
+    import importlib.util
+
+    from epd.kernels.kv_quant import store_quantized, store_quantized_ref, store_quantized_triton
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    g = torch.Generator().manual_seed(head_dim)
+    n, heads, blocks, bs = 12, 2, 5, 4
+    qkv = torch.randn(n, 3 * heads * head_dim, generator=g) * torch.logspace(-4, 3, n).view(n, 1)
+    key = qkv[:, :heads * head_dim].view(n, heads, head_dim)  # strided
+    value = qkv[:, heads * head_dim:2 * heads * head_dim].reshape(n, heads, head_dim)
+    key[1, 0] = 0.0
+    value[2, 1] = 1.5
+    key[3, 1, :16] = 3.0 + 0.01 * torch.randn(16, generator=g)
+    value[4, 0, 0] = 1e6  # clamped to float16's range (int8)
+    key[5, 1] = -7.25
+    slots = torch.tensor([0, 3, 19, -1, 7, 8, 12, 1, 2, 17, 4, -1])
+    row = head_dim + scale_bytes(head_dim)
+    caches = [torch.full((blocks, bs, heads, row), 0xAB, dtype=torch.uint8) for _ in range(4)]
+    store_quantized_ref(key, value, caches[0], caches[1], slots, kind)
+    kt, vt = caches[2].to(device), caches[3].to(device)
+    store_quantized_triton(key.to(device), value.to(device), kt, vt, slots.to(device), kind)
+    assert torch.equal(kt.cpu(), caches[0]) and torch.equal(vt.cpu(), caches[1])
+    assert int((caches[0] == 0xAB).all(-1).sum()) == blocks * bs * heads - 10 * heads  # 10 slots written
+    ks, vs = caches[0].clone(), caches[1].clone()
+    store_quantized(key, value, ks, vs, slots, kind)  # CPU: the reference
+    assert torch.equal(ks, caches[0])
+    with pytest.raises(ValueError, match="uint8"):
+        store_quantized_ref(key, value, caches[0][..., :-1], caches[1][..., :-1], slots, kind)

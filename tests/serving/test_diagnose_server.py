@@ -1,7 +1,7 @@
 """``epd diagnose --json`` against real servers (`epd launch`, real workers, CPU): a healthy
 server (idle, then lightly loaded) reports no symptom; each induced bottleneck is named.
 
-- idle and light load on ``p:1,d:1``: exit 0, no symptom;
+- idle and light load on ``p:1,d:1``: no symptom; idle exits 3 (no traffic), light load 0 (healthy);
 - long prompts on ``pd:1`` while short ones stream: ``prefill_steals_decode``;
 - a flood of long prompts on ``p:1,d:2``: ``prefill_queue_dominates_ttft``,
   ``pool_ratio_mismatch`` (p:2,d:1) and, under a 0.5 s TTFT SLO, ``goodput_low``;
@@ -147,8 +147,8 @@ SYSTEM = tokens(random.Random(7), 96)  # a shared system prompt: 6 blocks of 16
 # ---- healthy ------------------------------------------------------------------------------------------
 def test_idle_and_lightly_loaded_server_is_healthy(small_llama):
     with launch(small_llama, "p:1,d:1", "--kv-cache-memory-gb", "0.05", *THREADS) as server:
-        rc, data = diagnose(server, 3)
-        assert rc == 0 and data["healthy"] and not data["symptoms"], summary(data)
+        rc, data = diagnose(server, 3)  # idle: nothing judged, so not called healthy (exit 3)
+        assert rc == 3 and data["status"] == "no_traffic" and not data["symptoms"], summary(data)
         assert all(c["status"] in ("not_evaluated", "not_applicable") for c in data["checks"]), summary(data)
 
         model = server.model
@@ -156,7 +156,7 @@ def test_idle_and_lightly_loaded_server_is_healthy(small_llama):
         time.sleep(1.0)
         rc, data = diagnose(server, 10)
         load.stop()
-        assert rc == 0 and not data["symptoms"], summary(data)
+        assert rc == 0 and data["status"] == "healthy" and not data["symptoms"], summary(data)
         evaluated = {c["id"] for c in data["checks"] if c["status"] == "ok"}
         assert {"kv_transfer_slow", "decode_kv_short", "prefix_cache_miss", "goodput_low",
                 "prefill_queue_dominates_ttft", "decode_tpot_jitter"} <= evaluated, summary(data)
@@ -170,7 +170,7 @@ def test_long_prompts_on_an_aggregated_pool_steal_decode_steps(small_llama):
     sends 1,500-token prompts; the steps that carry those prefills (stall-free batching off)
     stall every stream."""
     with launch(small_llama, "pd:1", "--kv-cache-memory-gb", "0.1", "--max-prefill-tokens-with-decodes", "0",
-                *THREADS) as server:
+                "--target-step-ms", "0", *THREADS) as server:
         model = server.model
         short = Load(lambda rng: stream_model(server, model, tokens(rng, 16), 64), threads=3, seed=1)
         time.sleep(1.0)

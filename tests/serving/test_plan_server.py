@@ -1,7 +1,9 @@
 """``epd plan profile`` on a real server (`epd launch`, ``p:1,d:1``, real workers, CPU), then
-``epd plan recommend`` from the saved profile (prefill timed under one decode stream): the
-profile grows with the input length and has positive fits; a heavier workload gets more
-prefill instances than a light one."""
+``epd plan recommend`` from the saved profile (prefill timed alone and under two streamed
+decode requests, decode timed with the prefill pool idle and kept busy): the profile grows
+with the input length, has positive fits, a two-row interference table and a
+decode-under-prefill table of sane factors; a heavier workload gets more prefill instances
+than a light one."""
 
 from __future__ import annotations
 
@@ -27,15 +29,28 @@ def test_profile_a_server_then_recommend(small_llama, tmp_path):  # noqa: F811 -
     with launch(small_llama, "p:1,d:1", "--kv-cache-memory-gb", "0.3", *THREADS) as server:
         r = plan("profile", "--url", server.url, "--out", str(out), "--lengths", "64,512,1536", "--repeats", "2",
                  "--batches", "1,8,32", "--contexts", "64", "--decode-tokens", "48",
-                 "--prefill-under-decode", "1")
+                 "--prefill-under-decode", "0,2", "--decode-under-prefill", "0,1", "--prefill-load-tokens", "512")
     assert r.returncode == 0, r.stderr + r.stdout
     prof = json.loads(out.read_text())
     assert prof["pools"] == {"prefill": 1, "decode": 1}
-    assert prof["model"] and prof["prefill_under_decode"] == 1
+    assert prof["model"] and prof["prefill_under_decode"] == 2
+    assert "router" not in prof["pools"] and "api" not in prof["pools"]
+    assert "profiled" in r.stdout and " on p:1,d:1 -> " in r.stdout, r.stdout
     by_len: dict[int, list[float]] = {}
-    for n, prefill_s, ttft_s in prof["prefill_points"]:
-        assert 0 < prefill_s <= ttft_s
-        by_len.setdefault(int(n), []).append(prefill_s)
+    for n, prefill_s, ttft_s, streams in prof["prefill_points"]:
+        assert 0 < prefill_s <= ttft_s and streams in (0, 2)
+        if streams == 0:
+            by_len.setdefault(int(n), []).append(prefill_s)
+    assert {int(p[3]) for p in prof["prefill_points"]} == {0, 2}
+    table = prof["interference"]  # [streams, slowdown, overhead_s] per stream count
+    assert [row[0] for row in table] == [0, 2] and all(row[1] > 0 and row[2] >= 0 for row in table), table
+    # decode under prefill: [prefill_busy, slowdown] per duty; the back-to-back load keeps the pool busy
+    assert prof["decode_under_prefill"] == [0.0, 1.0] and prof["decode_under_prefill_tokens"] == 512
+    dtable = prof["decode_interference"]
+    assert len(dtable) == 2 and len(prof["decode_under_prefill_points"]) == 2 * 3, prof["decode_under_prefill_points"]
+    assert all(0 <= u <= 1 and 0.5 <= x < 50 for u, x in dtable), dtable
+    assert dtable[0][0] == 0 and dtable[-1][0] > 0.5, dtable  # duty 0: idle; duty 1: busy
+    assert "under the prefill pool" in r.stdout and "decode step x" in r.stdout, r.stdout
     means = [sum(v) / len(v) for _, v in sorted(by_len.items())]
     assert means == sorted(means), prof["prefill_points"]  # monotone in the input length
     f, d = prof["prefill"], prof["decode"]
@@ -46,6 +61,11 @@ def test_profile_a_server_then_recommend(small_llama, tmp_path):  # noqa: F811 -
     # one 1536-token prefill at 2.5x the rate this one instance can serve needs more prefill instances
     one_s = f["c0"] + f["c1"] * 1536 + f["c2"] * 1536 ** 2
     slo = dict(ttft=f"{4 * one_s + f['overhead_s'] + 0.05:.4g}", itl=f"{3 * d['a'] + 24 * d['b'] + 0.01:.4g}")
+    # this part sizes prefill: the profile without its decode-under-prefill table (that term is
+    # tests/test_plan.py's; a loaded machine measures it large, and slower decode keeps more
+    # streams running, so the prefill table's factor, not the arrival rate, would set the answer)
+    prof["decode_interference"] = []
+    out.write_text(json.dumps(prof))
     light = plan("recommend", "--profile", str(out), "--isl-mean", "1536", "--osl-mean", "16",
                  "--rate", f"{0.3 / one_s:.4g}", "--num-requests", "200", "--ttft-slo", slo["ttft"],
                  "--itl-slo", slo["itl"], "--json")
