@@ -59,7 +59,7 @@ before the next. Threads: transformers ``OMP_NUM_THREADS=C``, llama.cpp ``--n_th
 ``C // busy workers`` threads step by step), with ``epd-*:fixed-threads`` the ablation at
 the old fixed even split (``--threads-per-worker C // processes``) and
 ``epd-agg:no-stall-free`` the one without stall-free batching
-(``--max-prefill-tokens-with-decodes 0``). ``--threads T`` sets T for every engine instead.
+(``--max-prefill-tokens-with-decodes 0 --target-step-ms 0``). ``--threads T`` sets T for every engine instead.
 KV memory is bounded alike: epd ``--kv-cache-memory-gb 1``, transformers ``--cb-num-blocks
 85`` (85 x 256 tokens x 30 layers x K+V x 3 heads x 64 x 4 B = 1 GiB at fp32) with
 ``--cb-max-batch-tokens 2048`` (epd's default chunk), llama.cpp ``--n_ctx 8192`` (its
@@ -132,16 +132,19 @@ TTFT_SLO_S, TPOT_SLO_S = 4.0, 0.25
 #: An explicit variant that resolves to the same dtype as its system's default is not run twice.
 VARIANTS: dict[str, dict[str, str | None]] = {
     "epd-agg": {"default": None, "fp32": "float32", "bf16": "bfloat16", "no-stall-free": None,
-                "fixed-threads": None},
+                "token-cap": None, "step-50ms": None, "fixed-threads": None},
     "epd-disagg": {"default": None, "fp32": "float32", "bf16": "bfloat16", "fixed-threads": None},
     "transformers": {"default": None, "bf16": "bfloat16"},
     "llamacpp": {"default": "f16", "bf16": "bf16", "q4_1": "q4_1"},
 }
 SYSTEMS = tuple(VARIANTS)
 #: epd variants that change one engine setting from its default (ablations of issue 15's work):
-#: stall-free batching off, and threads fixed at the even split (cores // processes, the
-#: launcher's old default) instead of the thread budget
-EPD_FLAGS = {"no-stall-free": ["--max-prefill-tokens-with-decodes", "0"],
+#: stall-free batching off, bounded by tokens only (no step-time target), a 50 ms step
+#: target instead of the default 100, and threads fixed at the even split (cores // processes,
+#: the launcher's old default) instead of the thread budget
+EPD_FLAGS = {"no-stall-free": ["--max-prefill-tokens-with-decodes", "0", "--target-step-ms", "0"],
+             "token-cap": ["--target-step-ms", "0"],
+             "step-50ms": ["--target-step-ms", "50"],
              "fixed-threads": ["--threads-per-worker", "FIXED"]}
 EPD_POOLS = {"epd-agg": "e:1,pd:1", "epd-disagg": "e:1,p:1,d:1"}
 

@@ -73,13 +73,14 @@ class DecodeGraphs:
         if capture:
             self._capture()
 
-    def eligible(self, step) -> bool:
-        """Whether ``step`` (a ``StepInput``) can run padded: decodes only, no media
-        rows or staging packs, few enough sequences, narrow enough block tables."""
-        n = step.num_decode_tokens
-        return (n > 0 and not step.prefills and not step.mm_rows and not step.kv_packs
-                and step.num_tokens == n and padded_size(n, self.sizes) is not None
-                and step.decode_width <= self.max_blocks)
+    def eligible(self, layout, step) -> bool:
+        """Whether a step (its ``StepLayout`` and ``StepInput``) can run padded: decodes
+        only, no media rows, staging packs or M-RoPE positions, few enough sequences, narrow enough block
+        tables."""
+        n = layout.num_decode_tokens
+        return (n > 0 and not layout.prefills and not step.mm_rows and not step.kv_packs and not step.mrope_positions
+                and layout.num_tokens == n and padded_size(n, self.sizes) is not None
+                and layout.decode_width <= self.max_blocks)
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,
@@ -103,17 +104,18 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
-    def load(self, step) -> int:
-        """Copy ``step``'s decode rows into the buffers, padding to the captured size;
-        returns that size."""
-        n = step.num_decode_tokens
+    def load(self, layout) -> int:
+        """Copy a step's decode rows (its ``StepLayout``) into the buffers, padding to
+        the captured size; returns that size."""
+        n = layout.num_decode_tokens
         size = padded_size(n, self.sizes)
-        self.input_ids[:n].copy_(step.tokens())
-        self.positions[:n].copy_(step.token_positions())
-        self.slot_mapping[:n].copy_(step.slots())
-        self.block_tables[:n, :step.decode_width].copy_(step.block_tables())
-        self.block_tables[:n, :step.decode_width].clamp_(min=0)
-        self.context_lens[:n].copy_(step.context_lens())
+        w = layout.decode_width
+        self.input_ids[:n].copy_(layout.input_ids)
+        self.positions[:n].copy_(layout.positions)
+        self.slot_mapping[:n].copy_(layout.slot_mapping)
+        self.block_tables[:n, :w].copy_(layout.decode_block_tables)
+        self.block_tables[:n, :w].clamp_(min=0)
+        self.context_lens[:n].copy_(layout.decode_context_lens)
         # Padding rows: token 0 at position 0, no KV slot, an empty context.
         self.input_ids[n:size] = 0
         self.positions[n:size] = 0
@@ -122,12 +124,12 @@ class DecodeGraphs:
         return size
 
     @torch.inference_mode()
-    def run(self, step) -> torch.Tensor:
-        """Hidden states of ``step``'s decode rows: [num_decode_tokens, hidden]."""
-        size = self.load(step)
+    def run(self, layout) -> torch.Tensor:
+        """Hidden states of a step's decode rows (its ``StepLayout``): [num_decode_tokens, hidden]."""
+        size = self.load(layout)
         if size in self.graphs:
             self.graphs[size].replay()
             hidden = self.outputs[size]
         else:
             hidden = self._forward(size)
-        return hidden[:step.num_decode_tokens]
+        return hidden[:layout.num_decode_tokens]

@@ -17,9 +17,9 @@ from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.block_manager import BlockManager
 from epd.engine.grammar import GrammarCompiler
 from epd.engine.model_runner import (KVConnectorHooks, ModelRunner, engine_config_to_json, free_port,
-                                     tp_worker_main)
+                                     tp_worker_main, rank_device)
 from epd.engine.scheduler import Scheduler
-from epd.engine.step_input import build_step_input
+from epd.engine.input_batch import InputBatch
 from epd.errors import InvalidRequestError
 from epd.layers.sampler import Sampler, skip_draws, token_logprobs
 from epd.outputs import CompletionOutput, RequestOutput
@@ -62,12 +62,21 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, tokenizer=None, *, threads: int | None = None,
-                 kv_staging_blocks: int = 0) -> None:
+                 kv_staging_blocks: int = 0, kv_agents: str = "rank0", instance_id: str | None = None) -> None:
         """``threads``: torch threads of each TP rank (default on CPU: cores / TP);
         ``kv_staging_blocks``: staging pool size for heterogeneous-TP KV transfers
-        (``epd.transfer.staging``; 0: none). Ranks 1..TP-1 are spawned here and die
+        (``epd.transfer.staging``; 0: none). ``kv_agents``: "rank0" (one shared-memory
+        staging pool; rank 0's NIXL agent moves every rank's part) or "per-rank" (each
+        rank a private pool of its own heads and its own NIXL agent, named after
+        ``instance_id``: ``epd.transfer.rank_agent``; their ``RankKV`` end up in
+        ``rank_kv``). Ranks 1..TP-1 are spawned here and die
         with this process (PDEATHSIG; create the engine in a thread that lives as long
-        as the engine, e.g. the main thread)."""
+        as the engine, e.g. the main thread).
+
+        Raises:
+            ConfigError: staged KV on a non-CPU device; ``kv_agents`` not one of the two,
+                or "per-rank" without ``instance_id``.
+        """
         self.config = config
         self.tokenizer = tokenizer
         self._procs: list[mp.Process] = []
@@ -75,18 +84,27 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         self.staging = None
         staging_args = None
+        self.rank_kv: list = []  # RankKV of ranks 1.. (per-rank agents)
+        from epd.config import ConfigError
+
+        if kv_agents not in ("rank0", "per-rank") or (kv_agents == "per-rank" and not instance_id):
+            raise ConfigError(f"kv_agents must be 'rank0' or 'per-rank' (with an instance id), got {kv_agents!r}")
+        per_rank = kv_agents == "per-rank"
         if kv_staging_blocks > 0:
-            from epd.config import ConfigError
             from epd.transfer.staging import StagingPool
 
-            if config.device != "cpu":
-                raise ConfigError("staged KV transfers (prefill TP != decode TP) run on CPU in this build: on GPUs "
-                                  "each TP rank needs its own NIXL agent and device staging buffer (not implemented)")
+            if config.device != "cpu" and not per_rank:
+                raise ConfigError("staged KV transfers (prefill TP != decode TP) on GPUs need --kv-agents per-rank: "
+                                  "each TP rank then owns a NIXL agent and a staging buffer in its own VRAM "
+                                  "(the rank0 mode's pool is host shared memory)")
 
             layers = config.text_config.num_hidden_layers
             elems = 2 * config.block_size * config.num_kv_heads * config.kv_row_elems
-            path = StagingPool.new_shm_path("tp") if tp > 1 else None
-            self.staging = StagingPool(layers, kv_staging_blocks, elems, config.kv_storage_dtype, shm_path=path)
+            if per_rank:
+                elems //= tp  # this rank's heads only, in its own memory
+            path = StagingPool.new_shm_path("tp") if tp > 1 and not per_rank else None
+            self.staging = StagingPool(layers, kv_staging_blocks, elems, config.kv_storage_dtype, shm_path=path,
+                                       device=rank_device(config, 0))
             staging_args = (layers, kv_staging_blocks, elems, path)
         try:
             if tp > 1:
@@ -98,24 +116,39 @@ class LLMEngine:
                 ctx = mp.get_context("spawn")
                 cfg_json = engine_config_to_json(config)
                 for rank in range(1, tp):
-                    p = ctx.Process(target=tp_worker_main, args=(cfg_json, rank, port, threads, staging_args),
-                                    daemon=True)
+                    p = ctx.Process(target=tp_worker_main, daemon=True,
+                                    args=(cfg_json, rank, port, threads, staging_args,
+                                          instance_id if per_rank else None))
                     p.start()
                     self._procs.append(p)
             elif threads:
                 torch.set_num_threads(threads)
-            self.runner = ModelRunner(config, 0, port, self.staging)
+            self.runner = ModelRunner(config, 0, port, self.staging, kv_agents)
         finally:
             if self.staging is not None:
                 self.staging.unlink()  # every rank has mapped it (or start-up failed)
+        if per_rank and tp > 1:  # every other rank created its agent: collect what it registered
+            import msgspec
+
+            from epd.messages import RankKV
+
+            self.rank_kv = [msgspec.msgpack.decode(b, type=RankKV) for b in self.runner.gather_rank_kv(b"")[1:]]
         capacity = self.runner.num_blocks * config.block_size
         if capacity < config.max_model_len:
             logger.warning("KV cache holds %d tokens < max_model_len %d: max_model_len lowered to %d",
                            capacity, config.max_model_len, capacity)
             config.max_model_len = capacity
+        staged = kv_staging_blocks * config.block_size if self.staging is not None else 0
+        if staged and staged < config.max_model_len:  # a prompt's KV must fit the staging pool in one range
+            logger.warning("--kv-staging-mb: the KV staging pool holds %d blocks = %d tokens < max_model_len %d: "
+                           "max_model_len lowered to %d (raise --kv-staging-mb for longer prompts)",
+                           kv_staging_blocks, staged, config.max_model_len, staged)
+            config.max_model_len = staged
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_prefill_tokens_with_decodes or None)
+                                   config.max_prefill_tokens_with_decodes or None,
+                                   target_step_ms=config.target_step_ms or None)
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = eos_token_ids(config.model, tokenizer)
         self.vocab_size = config.text_config.vocab_size
@@ -224,11 +257,12 @@ class LLMEngine:
         With a KV connector, its ``build_step(scheduler_output)`` gives the step's
         per-layer hook and staging packs (``StepKV``, see ``epd.engine.model_runner``).
         """
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         failed = [self._failed(seq) for seq in sched.failed]
         if not sched.scheduled:
             return failed
-        step, mm_embeds = build_step_input(sched, self.config.block_size)
+        step, mm_embeds = self.input_batch.build(sched, self.scheduler.running)
         kv = self.kv_connector.build_step(sched) if self.kv_connector is not None else None
         hook = None
         if kv is not None:
@@ -252,6 +286,7 @@ class LLMEngine:
                 if lp is not None:
                     seq.output_logprobs.append(lp)
         changed = self.scheduler.update(sched, sampled)
+        self.scheduler.observe(sched, (time.perf_counter() - t0) * 1e3)
         return failed + [self._process(self._by_seq_id[seq.seq_id]) for seq in changed]
 
     @staticmethod
@@ -381,7 +416,8 @@ class LLMEngine:
     # ---- introspection --------------------------------------------------
     def stats(self) -> dict[str, float]:
         """KV and queue counters: free/total blocks, running, waiting, preemptions,
-        prefix-cache query/hit tokens."""
+        prefix-cache tokens looked up and found (``prefix_cache_query_tokens``,
+        ``prefix_cache_hit_tokens``: tokens, not lookups)."""
         bm = self.block_manager
         return {
             "num_blocks": bm.num_blocks,
@@ -394,8 +430,8 @@ class LLMEngine:
             "num_queued_prompt_tokens": sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
                                             for s in (*self.scheduler.waiting, *self.scheduler.running)),
             "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_query_tokens": bm.prefix_cache_queries,
+            "prefix_cache_hit_tokens": bm.prefix_cache_hits,
         }
 
     def dead_ranks(self) -> list[int]:

@@ -14,7 +14,12 @@ decoding, a step's prefill tokens (new chunks of prompts, running or admitted) a
 capped at ``max_prefill_tokens_with_decodes``, so a long prompt is spread over several
 steps and every decode keeps getting a token each short step, instead of waiting for
 one step that prefills the whole prompt. Without decodes the whole token budget is
-open to prefill (the prompt's TTFT is not held back for nothing).
+open to prefill (the prompt's TTFT is not held back for nothing). With
+``target_step_ms`` the share is also bounded in time: the engine's step-time model
+(``epd.engine.step_time``, fitted to this engine's own steps) gives the most prompt
+tokens a step with this step's decodes can carry and stay under the target, and at
+least one block's worth, so a prompt always progresses. Until the model has seen enough
+mixed steps, only the token cap applies.
 
 Sequences that cannot be recomputed. On a decode worker a multimodal sequence has
 its media spans (``mm_placeholders``, whose item hashes key its blocks) but not
@@ -46,6 +51,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from epd.engine.block_manager import BlockManager
+from epd.engine.step_time import StepTimeModel, step_features
 from epd.sequence import Sequence, SequenceStatus
 
 
@@ -95,14 +101,18 @@ class Scheduler:
     """Decides which tokens of which sequences run in the next step."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_tokens_with_decodes: int | None = None) -> None:
+                 max_prefill_tokens_with_decodes: int | None = None, *,
+                 target_step_ms: float | None = None) -> None:
         """``max_prefill_tokens_with_decodes``: prefill tokens per step while any
         sequence decodes (stall-free batching, see the module docstring); None: no cap
-        beyond ``max_num_batched_tokens``."""
+        beyond ``max_num_batched_tokens``. ``target_step_ms``: the step-time bound on
+        that share (None: none); the engine reports each step's time with ``observe``."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        self.target_step_ms = target_step_ms
+        self.step_time = StepTimeModel()
         self._prefill_budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -146,9 +156,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        cap = self.max_prefill_tokens_with_decodes
-        decoding = cap is not None and any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
-        self._prefill_budget = cap if decoding else self.max_num_batched_tokens
+        self._prefill_budget = self._prefill_share()
         # 1. Running sequences: decodes and unfinished chunked prefills.
         budget, stalled = self._schedule_running(out, self.max_num_batched_tokens)
         if stalled and not out.scheduled:
@@ -160,6 +168,36 @@ class Scheduler:
         if not out.num_preempted and not stalled:
             self._admit_waiting(out, budget)
         return out
+
+    def _prefill_share(self) -> int:
+        """This step's prompt-token budget (stall-free batching, see the module docstring)."""
+        cap, target = self.max_prefill_tokens_with_decodes, self.target_step_ms
+        if cap is None and target is None:
+            return self.max_num_batched_tokens
+        decodes, context, chunk_context = 0, 0, None
+        for s in self.running:
+            if s.num_tokens - s.num_computed_tokens == 1:
+                decodes += 1
+                context += s.num_tokens
+            elif chunk_context is None:
+                chunk_context = s.num_computed_tokens
+        if not decodes:
+            return self.max_num_batched_tokens
+        share = min(cap, self.max_num_batched_tokens) if cap is not None else self.max_num_batched_tokens
+        if target is not None:
+            lo = min(self.block_manager.block_size, share)
+            timed = self.step_time.prefill_budget(target, decodes, context, chunk_context or 0, lo, share)
+            if timed is not None:
+                share = timed
+        return share
+
+    def observe(self, out: SchedulerOutput, step_ms: float) -> None:
+        """Feed the step-time model one step's wall time in ms (``out``: that step)."""
+        if self.target_step_ms is None:
+            return
+        decodes = [s for s in out.scheduled if s.num_tokens == 1]
+        chunks = [(s.num_tokens, s.start + s.num_tokens) for s in out.scheduled if s.num_tokens != 1]
+        self.step_time.observe(step_features(len(decodes), sum(s.start + 1 for s in decodes), chunks), step_ms)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence]]:
         """Schedule the running sequences in order, preempting for blocks (rules 1-2 of

@@ -12,7 +12,7 @@ import torch
 
 from epd import LLM, SamplingParams
 from epd.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
-from epd.engine.step_input import build_step_input
+from epd.engine.step_input import step_layout
 
 
 def test_capture_sizes_and_padding():
@@ -34,26 +34,29 @@ def test_padded_decode_step_matches_eager(tiny_model_dirs):
             eng.add_request(f"r{i}", [5 + i, 9, 11 + 2 * i, 7] * (2 + i), params)
         eng.step()  # the three prompts
         sched = eng.scheduler.schedule()
-        step, mm = build_step_input(sched, 8)
-        assert step.num_decode_tokens == 3 and not step.prefills and mm is None
+        step, mm = eng.input_batch.build(sched, eng.scheduler.running)
         runner = eng.runner
         eager = runner._run(step)  # stores the step's K/V, returns logits [3, vocab]
+        lay = step_layout(step, runner.tables, 8)
+        assert lay.num_decode_tokens == 3 and not lay.prefills and mm is None
         k_before = runner.k_cache.clone()
-        used = {b for b in step.block_tables().flatten().tolist() if b >= 0}
+        used = {b for b in lay.decode_block_tables.flatten().tolist() if b >= 0}
         graphs = DecodeGraphs(runner.model, [1, 2, 4, 8], max_blocks=16, device=runner.device, capture=False)
-        assert graphs.eligible(step)
-        assert graphs.load(step) == 4  # 3 sequences: padded to 4
+        assert graphs.eligible(lay, step)
+        assert graphs.load(lay) == 4  # 3 sequences: padded to 4
         assert graphs.slot_mapping[3] == -1 and graphs.context_lens[3] == 0 and graphs.input_ids[3] == 0
-        padded = runner._logits(step, graphs.run(step))
+        padded = runner._logits(step, graphs.run(lay))
         torch.testing.assert_close(padded, eager, atol=1e-4, rtol=1e-4)
         assert torch.equal(padded.argmax(-1), eager.argmax(-1))
         untouched = [b for b in range(runner.k_cache.shape[1]) if b not in used]
         assert torch.equal(runner.k_cache[:, untouched], k_before[:, untouched])  # padding wrote no KV
         # A step with a prefill chunk, or more sequences than the largest size, runs eagerly.
-        assert not DecodeGraphs(runner.model, [1, 2], 16, runner.device, capture=False).eligible(step)
+        assert not DecodeGraphs(runner.model, [1, 2], 16, runner.device, capture=False).eligible(lay, step)
         eng.add_request("late", list(range(3, 20)), params)
-        mixed, _ = build_step_input(eng.scheduler.schedule(), 8)
-        assert mixed.prefills and not graphs.eligible(mixed)
+        mixed, _ = eng.input_batch.build(eng.scheduler.schedule(), eng.scheduler.running)
+        runner.tables.apply(mixed.table_update)
+        mixed_lay = step_layout(mixed, runner.tables, 8)
+        assert mixed_lay.prefills and not graphs.eligible(mixed_lay, mixed)
     finally:
         llm.shutdown()
 

@@ -95,3 +95,14 @@ def test_tp1_engine_after_interrupted_tp2_shutdown(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["llama"], dtype="float32")
     assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].finished
     llm.shutdown()
+
+
+def test_gpu_staging_in_host_shared_memory_is_refused_naming_per_rank_agents(tiny_model_dirs):
+    """On GPUs a staged (hetero-TP) transfer needs every rank's own VRAM staging pool; the
+    rank0 mode's host shared-memory pool is refused before anything is allocated."""
+    from epd.config import ConfigError, EngineConfig
+    from epd.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(tiny_model_dirs["llama"], device="cuda", kv_cache_memory_gb=0.01)
+    with pytest.raises(ConfigError, match="--kv-agents per-rank"):
+        LLMEngine(config, kv_staging_blocks=4, kv_agents="rank0")
