@@ -7,7 +7,7 @@ POOLS ?= e:1,p:1,d:1
 PORT ?= 8000
 STAMP := $(VENV)/.epd-installed
 
-.PHONY: run generate test install clean-venv
+.PHONY: run generate test install clean-venv gpu-check
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ generate: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+# The one prepared device check (tests/gpu/check.py): on a CUDA machine, with its preinstalled
+# torch/triton/transformers (no venv needed); GPU_CHECK_ARGS=--dry-run runs it on the CPU.
+gpu-check:
+	tests/gpu/run.sh $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -233,8 +233,10 @@ def _use_triton(*tensors: torch.Tensor) -> bool:
 
 
 def pack_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-    """Pack blocks into a staging part: Triton on CUDA, else :func:`pack_kv_ref` (same contract)."""
-    if _use_triton(k_cache, v_cache, block_ids, out):
+    """Pack blocks into a staging part: Triton on CUDA, else :func:`pack_kv_ref` (same contract).
+    A head slice of a cache (``k_cache[:, :, h0:h1]``, per-rank agents splitting a rank's
+    heads over several decode ranks) is not contiguous: it takes the torch path on CUDA too."""
+    if _use_triton(k_cache, v_cache, block_ids, out) and k_cache.is_contiguous() and v_cache.is_contiguous():
         pack_kv_triton(k_cache, v_cache, block_ids, out)
     else:
         pack_kv_ref(k_cache, v_cache, block_ids, out)

@@ -1,6 +1,9 @@
 """Attention over the paged KV cache: decode (one query per sequence) and chunked prefill.
 
 Decode has a Triton kernel for CUDA tensors and a batched torch reference; prefill is torch.
+A quantized cache (``kv_quant``, ``epd.kernels.kv_quant``: uint8 rows of codes then scales)
+is read in place by the Triton kernel, which dequantizes each row as it loads it; the
+reference dequantizes the blocks the step reads first (``dequantize_blocks``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ __all__ = [
 ]
 
 
-def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
+def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant=None) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -26,7 +29,15 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens) -> None:
                          f"and equal, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
+    if kv_quant is not None:
+        from epd.kernels.kv_quant import KV_QUANT, scale_bytes
+
+        if kv_quant not in KV_QUANT or k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8:
+            raise ValueError(f"a {kv_quant!r} cache must be uint8 rows, got {k_cache.dtype} / {v_cache.dtype}")
+        if k_cache.shape[3] != head_dim + scale_bytes(head_dim):
+            raise ValueError(f"a {kv_quant} cache row of head_dim {head_dim} takes "
+                             f"{head_dim + scale_bytes(head_dim)} bytes, got {k_cache.shape[3]}")
+    elif k_cache.shape[3] != head_dim:
         raise ValueError(f"head_dim mismatch: q {head_dim}, cache {k_cache.shape[3]}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
@@ -248,12 +259,14 @@ def _get_kernel():
         vc_sb, vc_so, vc_sh, vc_sd,  # v_cache strides
         bt_ss, bt_sb,                # block_tables strides
         head_dim,
+        qgroup,                      # quantized: values per scale group (>= head_dim: one a row)
         GROUP: tl.constexpr,         # query heads per kv head
         BLOCK_G: tl.constexpr,       # next_pow2(GROUP)
         BLOCK_SIZE: tl.constexpr,    # cache block size
         TOKENS: tl.constexpr,        # tokens per step: a power of two dividing BLOCK_SIZE
         BLOCK_D: tl.constexpr,       # next_pow2(head_dim)
         BF16_RTNE: tl.constexpr,     # interpreter only: round fp32 -> bf16 to nearest even
+        QUANT: tl.constexpr,         # 0: float cache; 1: int8 rows; 2: fp8_e4m3 rows (kv_quant layout)
     ):
         # One program per (sequence, kv head): the GROUP query heads sharing that kv head
         # walk the sequence's blocks once, with an online (flash-decoding) softmax in fp32.
@@ -283,10 +296,29 @@ def _get_kernel():
             slot = start % BLOCK_SIZE + offs
             t_mask = (start + offs) < ctx
             kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + blk * kc_sb + slot[:, None] * kc_so + kvh * kc_sh
-                        + d[None, :] * kc_sd, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_cache_ptr + blk * vc_sb + slot[:, None] * vc_so + kvh * vc_sh
-                        + d[None, :] * vc_sd, mask=kv_mask, other=0.0).to(tl.float32)
+            k_row = k_cache_ptr + blk * kc_sb + slot[:, None] * kc_so + kvh * kc_sh
+            v_row = v_cache_ptr + blk * vc_sb + slot[:, None] * vc_so + kvh * vc_sh
+            if QUANT == 0:
+                k = tl.load(k_row + d[None, :] * kc_sd, mask=kv_mask, other=0.0).to(tl.float32)
+                v = tl.load(v_row + d[None, :] * vc_sd, mask=kv_mask, other=0.0).to(tl.float32)
+            else:
+                # a row: head_dim codes (bytes, kc_sd == 1), then 4 bytes per group of qgroup
+                # values: int8 a float16 scale and a float16 min, fp8 a float32 scale
+                kq = tl.load(k_row + d[None, :], mask=kv_mask, other=0)
+                vq = tl.load(v_row + d[None, :], mask=kv_mask, other=0)
+                meta = head_dim + (d[None, :] // qgroup) * 4
+                if QUANT == 1:
+                    ks = tl.load((k_row + meta).to(tl.pointer_type(tl.float16)), mask=kv_mask, other=0.0)
+                    km = tl.load((k_row + meta + 2).to(tl.pointer_type(tl.float16)), mask=kv_mask, other=0.0)
+                    vs = tl.load((v_row + meta).to(tl.pointer_type(tl.float16)), mask=kv_mask, other=0.0)
+                    vm = tl.load((v_row + meta + 2).to(tl.pointer_type(tl.float16)), mask=kv_mask, other=0.0)
+                    k = kq.to(tl.float32) * ks.to(tl.float32) + km.to(tl.float32)
+                    v = vq.to(tl.float32) * vs.to(tl.float32) + vm.to(tl.float32)
+                else:
+                    ks = tl.load((k_row + meta).to(tl.pointer_type(tl.float32)), mask=kv_mask, other=0.0)
+                    vs = tl.load((v_row + meta).to(tl.pointer_type(tl.float32)), mask=kv_mask, other=0.0)
+                    k = kq.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ks
+                    v = vq.to(tl.float8e4nv, bitcast=True).to(tl.float32) * vs
             # scores [BLOCK_G, TOKENS] by broadcast-multiply-reduce (no tl.dot: it needs
             # every dim >= 16, and GROUP / block_size may be smaller).
             s = tl.reduce(q[:, None, :] * k[None, :, :], 2, _SUM)
@@ -322,7 +354,7 @@ def _next_pow2(x: int) -> int:
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
+                                  scale: float, kv_quant: str | None = None) -> torch.Tensor:
     """Triton version of :func:`paged_decode_attention_ref` (same arguments and result).
 
     Grid ``(num_seqs, num_kv_heads)``: each program serves the ``num_heads // num_kv_heads``
@@ -332,10 +364,26 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     flash-decoding do without the split over the context. Any head_dim and block_size
     work (masked to the next power of two); inputs of any float dtype are upcast to fp32
     in the kernel; any strides. On CPU tensors it runs only under ``TRITON_INTERPRET=1``.
+
+    ``kv_quant`` ("int8", "fp8_e4m3"): the caches are ``[num_blocks, block_size,
+    num_kv_heads, head_dim + scale_bytes(head_dim)]`` uint8 rows (``epd.kernels.kv_quant``,
+    contiguous rows); each K/V row is dequantized to fp32 as it is loaded (int8
+    ``code x scale + min``, fp8 ``value x scale``), so the result equals attention over the
+    dequantized cache up to fp32 rounding.
+
+    Raises:
+        ValueError: shapes or dtypes that do not fit (a quantized row of another length).
     """
-    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
+    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    quant = {None: 0, "int8": 1, "fp8_e4m3": 2}[kv_quant]
+    if quant and (k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or head_dim % 4):
+        raise ValueError(f"a quantized cache needs contiguous rows and head_dim % 4 == 0 (aligned scales), "
+                         f"got strides {k_cache.stride()} and head_dim {head_dim}")
+    from epd.kernels.kv_quant import GROUP as QGROUP
+
+    qgroup = QGROUP if head_dim % QGROUP == 0 else max(head_dim, 1)
     group = num_heads // num_kv_heads
     block_g, block_d = _next_pow2(group), _next_pow2(head_dim)
     # Tokens per step: the largest power of two dividing block_size (all of it for the
@@ -356,9 +404,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), block_tables.stride(1),
-        head_dim,
+        head_dim, qgroup,
         GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d,
-        BF16_RTNE=_interpret_mode() and q.dtype == torch.bfloat16,
+        BF16_RTNE=_interpret_mode() and q.dtype == torch.bfloat16, QUANT=quant,
     )
     return out
 
@@ -381,17 +429,26 @@ def _triton_importable() -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, kv_quant: str | None = None) -> torch.Tensor:
     """Paged decode attention: Triton when all tensors are on CUDA and triton imports, else
     :func:`paged_decode_attention_ref`. q ``[num_seqs, num_heads, head_dim]``, caches
     ``[num_blocks, block_size, num_kv_heads, head_dim]``, block_tables
     ``[num_seqs, max_num_blocks]`` int32, context_lens ``[num_seqs]`` int32; returns
     ``[num_seqs, num_heads, head_dim]`` in q's dtype (vLLM ``paged_attention_v1`` contract).
     On the CPU (fp32 / bf16), the in-place kernel of ``epd.kernels.cpu_attention`` when it
-    is built, else the reference."""
+    is built, else the reference.
+
+    ``kv_quant`` ("int8", "fp8_e4m3"): the caches are quantized uint8 rows
+    (``epd.kernels.kv_quant``); the Triton kernel reads them in place, the other paths
+    dequantize the blocks the step reads (``dequantize_blocks``) and attend to those."""
     if (q.is_cuda and k_cache.is_cuda and v_cache.is_cuda and block_tables.is_cuda
-            and context_lens.is_cuda and _triton_importable()):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+            and context_lens.is_cuda and _triton_importable() and (kv_quant is None or q.shape[-1] % 4 == 0)):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, kv_quant)
+    if kv_quant is not None:
+        from epd.kernels.kv_quant import dequantize_blocks
+
+        _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant)
+        k_cache, v_cache, block_tables = dequantize_blocks(k_cache, v_cache, block_tables, kv_quant, q.dtype)
     if (not q.is_cuda and not k_cache.is_cuda and q.dtype in (torch.float32, torch.bfloat16)
             and k_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()):
         from epd.kernels import cpu_attention

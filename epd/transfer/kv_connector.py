@@ -42,10 +42,10 @@ from epd.engine.model_runner import StepKV
 from epd.engine.scheduler import SchedulerOutput
 from epd.errors import InternalError
 from epd.messages import (KVLayout, KVReady, KVReserved, KVWriterDone, KVWriterFenced, Message, MessageError,
-                          PeerInfo, PrefillRequest, RequestFailed, ReserveKV, decode, encode)
+                          PeerInfo, PrefillRequest, RankKV, RequestFailed, ReserveKV, decode, encode)
 from epd.outputs import RequestOutput
 from epd.sequence import Sequence
-from epd.transfer.nixl_transport import NixlTransport, Transfer, TransferError, block_regions
+from epd.transfer.nixl_transport import NixlTransport, Transfer, TransferError, block_regions, layer_regions
 from epd.transfer.staging import StagingPool
 
 logger = logging.getLogger(__name__)
@@ -56,23 +56,28 @@ __all__ = ["KVReceiver", "KVSend", "KVSender", "NixlKVReceiver", "NixlKVSender",
 
 
 def kv_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, tp: int,
-              staging: StagingPool | None, kv_quant: str | None = None) -> KVLayout:
+              staging: StagingPool | None, kv_quant: str | None = None, kv_agents: str = "rank0",
+              ranks: list[RankKV] | None = None) -> KVLayout:
     """The ``KVLayout`` a worker advertises to its peers.
 
     ``k_cache`` / ``v_cache``: [num_layers, num_blocks, block_size, num_kv_heads / tp, head_dim]
-    (this rank's paged cache); ``staging``: the instance's staging pool, or None;
+    (this rank's paged cache); ``staging``: the instance's staging pool, or None (with
+    per-rank agents rank 0's private pool of its own heads);
     ``kv_quant``: a quantized cache's kind ("int8", "fp8_e4m3": uint8 rows of head_dim + scale_bytes(head_dim)
-    bytes, advertised with that name as ``dtype`` and the row length as ``head_dim``).
+    bytes, advertised with that name as ``dtype`` and the row length as ``head_dim``);
+    ``kv_agents`` / ``ranks``: see ``KVLayout`` (``ranks``: every rank's ``RankKV``).
     """
     layers = k_cache.shape[0]
+    block_bytes = staging.region(0, 0, 1)[1] if staging is not None else 0
+    if kv_agents == "per-rank":
+        block_bytes *= tp  # advertised as one block of every head, as the shared pool's
     return KVLayout(
         num_layers=layers, num_blocks=k_cache.shape[1], block_size=block_size,
         num_kv_heads=k_cache.shape[3], head_dim=k_cache.shape[4],
         dtype=kv_quant if kv_quant is not None else _DTYPE_NAMES[k_cache.dtype],
-        k_regions=[(k_cache[i].data_ptr(), k_cache[i].nbytes, 0) for i in range(layers)],
-        v_regions=[(v_cache[i].data_ptr(), v_cache[i].nbytes, 0) for i in range(layers)],
+        k_regions=layer_regions(k_cache), v_regions=layer_regions(v_cache),
         tp=tp, staging_regions=staging.layer_regions() if staging is not None else [],
-        staging_block_bytes=staging.region(0, 0, 1)[1] if staging is not None else 0)
+        staging_block_bytes=block_bytes, kv_agents=kv_agents, ranks=list(ranks or []))
 
 
 # ---- the interfaces ------------------------------------------------------------------
@@ -177,6 +182,13 @@ class KVSend:
     send_start: float = 0.0
     kv_bytes: int = 0
     write_s: float = 0.0  # time inside write() calls (on CPU, cma copies synchronously there)
+    rank_writes: int = 0  # per-rank agents: NIXL writes of every rank (0: none posted by the ranks)
+    rank_state: int = -1  # per-rank agents: the last KVPoll state (-1: not posted yet)
+
+    @property
+    def num_writes(self) -> int:
+        """NIXL write requests of this send (every rank's)."""
+        return self.rank_writes or len(self.transfers)
 
     @property
     def first_token(self) -> int:
@@ -195,13 +207,19 @@ class NixlKVSender(KVSender):
         fenced: ``fenced(t)`` is True when the process was frozen after monotonic
             ``t`` (its requests may have been retried elsewhere: write nothing).
         timeout_s: a send not complete this long after its first write fails.
+        runner: with per-rank agents (``layout.kv_agents`` "per-rank"), rank 0's
+            ``ModelRunner``: staged sends are then planned for every rank
+            (``epd.transfer.rank_agent``), each rank writing its own heads, and polled
+            on every rank before ``KVReady``.
     """
 
     def __init__(self, transport: NixlTransport, layout: KVLayout, peers: dict[str, PeerInfo],
                  staging: StagingPool | None, tp: int, instance_id: str, *,
-                 free_blocks: Callable[[Sequence], None], fenced: Callable[[float], bool], timeout_s: float) -> None:
+                 free_blocks: Callable[[Sequence], None], fenced: Callable[[float], bool], timeout_s: float,
+                 runner=None) -> None:
         self.transport, self.layout, self.peers, self.staging = transport, layout, peers, staging
         self.tp, self.instance_id, self.timeout_s = tp, instance_id, timeout_s
+        self.runner = runner if layout.kv_agents == "per-rank" else None
         self._free_blocks, self._fenced = free_blocks, fenced
         self.sends: dict[str, KVSend] = {}
         # Fault injection for recovery tests: the first N requests' KV writes fail
@@ -233,8 +251,14 @@ class NixlKVSender(KVSender):
                 raise InternalError(
                     f"decode instance {req.decode_instance} expects staged KV, but prefill instance "
                     f"{self.instance_id} has no staging pool (start it with --kv-staging-mb > 0)")
-            if d.staging_block_bytes != self.staging.region(0, 0, 1)[1]:
+            if d.staging_block_bytes != self.layout.staging_block_bytes:
                 raise InternalError(f"decode instance {req.decode_instance} stages a different KV layout")
+            if d.kv_agents != self.layout.kv_agents and (self.tp > 1 or d.tp > 1):
+                raise InternalError(f"decode instance {req.decode_instance} runs --kv-agents {d.kv_agents}, this "
+                                    f"prefill instance {self.layout.kv_agents}: start both with the same")
+            if self.runner is not None and (max(self.tp, d.tp) % min(self.tp, d.tp) or len(d.ranks) != d.tp):
+                raise InternalError(f"prefill TP {self.tp} -> decode TP {d.tp}: per-rank agents need one TP to "
+                                    f"divide the other and every decode rank's agent advertised")
             start = self.staging.alloc(req.request_id, len(req.decode_block_ids))
             if start is None:
                 return False
@@ -267,12 +291,49 @@ class NixlKVSender(KVSender):
         if not plans:
             return None
         packs = [(send.staging_block, src) for send, src in plans if send.staging_block >= 0]
+        if self.runner is not None and packs:
+            packs = self._plan_ranks([(send, src) for send, src in plans if send.staging_block >= 0], now)
+            plans = [(send, src) for send, src in plans if send.staging_block < 0]
 
         def hook(layer: int) -> None:
             for send, src in plans:
                 self._write_layer(send, src, layer)
 
-        return StepKV(hook, packs)
+        return StepKV(hook if plans else None, packs)
+
+    def _plan_ranks(self, staged: list[tuple[KVSend, list[int]]], now: float) -> list[tuple[int, list[int]]]:
+        """Per-rank agents: give every rank this step's writes of ``staged``; returns
+        the staging packs of the sends that will be written (a fenced or injected-failure
+        send is failed at once: nothing of it is written)."""
+        from epd.transfer.rank_agent import KVPlan, plan_send
+
+        sends, packs = [], []
+        layers, full = self.layout.num_layers, self.layout.staging_block_bytes
+        for send, src in staged:
+            send.send_start = send.send_start or now
+            if self._fenced(send.arrival) or self.inject_failures > 0:
+                if not self._fenced(send.arrival):
+                    self.inject_failures -= 1
+                    logger.warning("prefill %s: injected KV write failure for %s (EPD_INJECT_KV_FAILURES)",
+                                   self.instance_id, send.request_id)
+                send.transfers.append(None)
+                continue
+            d = self.peers[send.decode_instance].kv_layout
+            try:
+                rs = plan_send(send.request_id, send.staging_block, len(src), full, self.tp, d,
+                               send.dst_staging_block)
+            except ValueError as e:
+                logger.warning("prefill %s: KV write for %s failed: %s", self.instance_id, send.request_id, e)
+                send.transfers.append(None)
+                continue
+            sends.append(rs)
+            packs.append((send.staging_block, src))
+            send.rank_writes = layers * len(rs.targets)
+            send.kv_bytes = layers * len(rs.targets) * rs.part_bytes
+            send.rank_state = 1
+        if sends:
+            self.runner.set_kv_plan(KVPlan(sends))
+        return packs
 
     def _regions(self, send: KVSend, src: list[int], layer: int) -> tuple[np.ndarray | list, np.ndarray | list]:
         """(local, remote) descriptors of one layer of one send: one contiguous staging
@@ -284,7 +345,8 @@ class NixlKVSender(KVSender):
         d = self.peers[send.decode_instance].kv_layout
         if send.staging_block >= 0:
             local = self.staging.region(layer, send.staging_block, len(src))
-            remote = (d.staging_regions[layer][0] + send.dst_staging_block * d.staging_block_bytes, local[1], 0)
+            dst = d.staging_regions[layer]
+            remote = (dst[0] + send.dst_staging_block * d.staging_block_bytes, local[1], dst[2])
             return [local], [remote]
         bb, me = self.layout.block_bytes, self.layout
         local = np.concatenate([block_regions(me.k_regions[layer], bb, src),
@@ -318,13 +380,20 @@ class NixlKVSender(KVSender):
         now = time.monotonic()
         done: list[KVSend] = []
         failed: list[tuple[KVSend, str]] = []
+        ranked = [rid for rid, send in self.sends.items() if send.seq is not None and send.rank_state > 0
+                  and not any(t is None for t in send.transfers)]
+        if ranked:  # per-rank agents: one poll of every rank for all of them
+            for rid, state in zip(ranked, self.runner.poll_kv(ranked)):
+                self.sends[rid].rank_state = state
         for rid, send in list(self.sends.items()):
             if send.seq is None:
                 continue
             try:
                 if any(t is None for t in send.transfers):
                     raise TransferError(f"KV write to {send.decode_instance} could not be issued")
-                if not all(t.poll() for t in send.transfers):
+                if send.rank_state == 2:
+                    raise TransferError(f"KV write to {send.decode_instance} failed on a TP rank")
+                if send.rank_state == 1 or not all(t.poll() for t in send.transfers):
                     if now - send.send_start > self.timeout_s:
                         raise TransferError(f"KV write to {send.decode_instance} passed its "
                                             f"{self.timeout_s} s deadline")
@@ -347,6 +416,8 @@ class NixlKVSender(KVSender):
             for t in send.transfers:
                 if t is not None:
                     t.release()
+            if send.rank_state > 0:  # every rank's writes still held: cancel them there
+                self.runner.release_kv([request_id])
             if send.seq is not None:
                 self._free_blocks(send.seq)
         if self.staging is not None:

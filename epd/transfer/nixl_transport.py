@@ -35,6 +35,11 @@ see tests/transfer/test_nixl_transport.py):
   here every remote range must lie inside the regions the peer advertised on the
   control plane, and every local range inside our own registrations, before NIXL is
   called at all.
+- One agent holds host (DRAM) and device (VRAM) memory alike: `register_memory` of CUDA
+  tensors registers VRAM (the tensor's device id), of CPU tensors DRAM; a transfer's
+  local side is one memory type and its remote side one (VRAM->VRAM over NVLink/RDMA
+  when UCX is built with CUDA; VRAM<->DRAM also allowed). The region triples here fold
+  the type into the device field (``HOST`` 0 = DRAM, ``1 + i`` = VRAM of ``cuda:i``).
 
 Not thread-safe: one thread per transport (the optional progress thread is NIXL's own).
 """
@@ -53,10 +58,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-Region = tuple[int, int, int]  # (addr, nbytes, device_id)
+Region = tuple[int, int, int]  # (addr, nbytes, device): device HOST (0) = DRAM, 1 + i = VRAM of cuda:i
 
 _BACKEND = "UCX"
-_MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+HOST = 0  # the device field of a host (DRAM) region; 1 + i: VRAM of cuda:i
 # Addresses and lengths are kept in int64 with the device folded into the top bits of
 # a sort key: user-space (and CUDA UVA) addresses are far below 2**56.
 _ADDR_LIMIT = 1 << 56
@@ -170,12 +175,41 @@ def _coalesce(
     return out_l, out_r
 
 
+def device_code(t: torch.Tensor) -> int:
+    """The region device field of tensor ``t``'s memory: ``HOST`` (0) for CPU memory,
+    ``1 + i`` for ``cuda:i`` (VRAM)."""
+    dev = t.get_device()
+    return HOST if dev < 0 else 1 + int(dev)
+
+
 def tensor_region(t: torch.Tensor) -> Region:
-    """(addr, nbytes, dev) of a contiguous tensor, with NIXL's device numbering (CPU = 0)."""
+    """(addr, nbytes, device) of a contiguous tensor (device: ``device_code``)."""
     if not t.is_contiguous():
         raise ValueError("tensor must be contiguous")
-    dev = t.get_device()
-    return (int(t.data_ptr()), int(t.numel() * t.element_size()), 0 if dev < 0 else int(dev))
+    return (int(t.data_ptr()), int(t.numel() * t.element_size()), device_code(t))
+
+
+def layer_regions(cache: torch.Tensor) -> list[Region]:
+    """One region per layer of a contiguous ``[num_layers, ...]`` tensor (a paged KV
+    cache ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``)."""
+    return [tensor_region(cache[i]) for i in range(cache.shape[0])]
+
+
+def nixl_descs(arr: np.ndarray, what: str) -> tuple[str, np.ndarray]:
+    """NIXL's memory type and ``[N, 3]`` uint64 (addr, nbytes, device id) descriptors of
+    validated regions ``arr`` (``_as_region_array``) that are all host or all device memory.
+
+    Raises:
+        ValueError: host and device regions mixed in one side of one transfer.
+    """
+    host = arr[:, 2] == HOST
+    if host.all():
+        return "DRAM", arr.astype(np.uint64)
+    if host.any():
+        raise ValueError(f"{what}: host and device regions mixed in one transfer")
+    out = arr.copy()
+    out[:, 2] -= 1
+    return "VRAM", out.astype(np.uint64)
 
 
 def block_regions(base: Region, block_nbytes: int, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -227,12 +261,11 @@ def _make_agent(name: str, progress_thread_us: int) -> Any:
 
 
 class _Peer:
-    __slots__ = ("name", "table", "mem_type")
+    __slots__ = ("name", "table")
 
-    def __init__(self, name: str, table: _RegionTable, mem_type: str):
+    def __init__(self, name: str, table: _RegionTable):
         self.name = name
         self.table = table
-        self.mem_type = mem_type
 
 
 class Transfer:
@@ -320,14 +353,11 @@ class Transfer:
 
 class NixlTransport:
     """One NIXL agent per worker process (UCX backend; callers poll unless
-    `progress_thread_us` > 0 starts NIXL's progress thread with that sleep)."""
+    `progress_thread_us` > 0 starts NIXL's progress thread with that sleep). It registers
+    host and CUDA tensors alike (DRAM / VRAM, see the module docstring)."""
 
-    def __init__(self, name: str, *, device: str = "cpu", progress_thread_us: int = 0):
+    def __init__(self, name: str, *, progress_thread_us: int = 0):
         self.name = _check_name(name, "agent name")
-        if device not in _MEM_TYPES:
-            raise ValueError(f"device must be one of {sorted(_MEM_TYPES)}, got {device!r}")
-        self.device = device
-        self.mem_type = _MEM_TYPES[device]
         self.num_requests = 0  # READ/WRITE requests posted
         self.bytes_moved = 0  # bytes of requests that completed
         self._tensors: list[torch.Tensor] = []
@@ -350,7 +380,7 @@ class NixlTransport:
         self._agent = agent
 
     def __repr__(self) -> str:
-        return f"NixlTransport({self.name!r}, {self.device}, peers={sorted(self._peers)})"
+        return f"NixlTransport({self.name!r}, peers={sorted(self._peers)})"
 
     def __enter__(self) -> NixlTransport:
         return self
@@ -372,30 +402,37 @@ class NixlTransport:
     # -- memory -------------------------------------------------------------------------
 
     def register(self, tensors: list[torch.Tensor]) -> list[Region]:
-        """Register contiguous tensors (kept alive until close); returns their regions.
-        Take `metadata()` after the last register(): it lists only what was registered."""
+        """Register contiguous CPU or CUDA tensors (DRAM / VRAM; kept alive until close);
+        returns their regions (``tensor_region``). Take `metadata()` after the last
+        register(): it lists only what was registered.
+
+        Raises:
+            TypeError / ValueError: not a non-empty list of contiguous, non-empty tensors,
+                or ranges overlapping what is registered. TransferError: NIXL refused.
+        """
         agent = self._require_open("register")
         if isinstance(tensors, torch.Tensor) or not tensors:
             raise ValueError("register() takes a non-empty list of tensors")
-        want = "cuda" if self.device == "cuda" else "cpu"
-        first_dev = tensors[0].device if isinstance(tensors[0], torch.Tensor) else None
         regions = []
+        groups: dict[torch.device, list[torch.Tensor]] = {}  # NIXL registers one memory type a call
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"register() takes tensors, got {type(t).__name__}")
-            if t.device.type != want or t.device != first_dev:
-                raise ValueError(f"tensors must all be on one {want} device, got {t.device}")
+            if t.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"register() takes CPU or CUDA tensors, got {t.device}")
             if not t.is_contiguous() or t.numel() == 0:
                 raise ValueError("tensors must be contiguous and non-empty")
             regions.append(tensor_region(t))
+            groups.setdefault(t.device, []).append(t)
         arr = _as_region_array(regions, "register")
         merged = arr if self._local is None else np.concatenate([self._local.arr, arr])
         table = _RegionTable(merged, "register (regions overlap an existing registration)")
-        try:
-            reg = agent.register_memory(list(tensors), mem_type=self.mem_type, backends=[_BACKEND])
-        except Exception as e:
-            raise TransferError(f"agent {self.name!r}: register_memory failed: {type(e).__name__}: {e}") from e
-        self._regs.append(reg)
+        for group in groups.values():
+            try:
+                reg = agent.register_memory(group, backends=[_BACKEND])
+            except Exception as e:
+                raise TransferError(f"agent {self.name!r}: register_memory failed: {type(e).__name__}: {e}") from e
+            self._regs.append(reg)
         self._tensors.extend(tensors)
         self._local = table
         if self._metadata_taken:
@@ -410,16 +447,14 @@ class NixlTransport:
 
     # -- peers --------------------------------------------------------------------------
 
-    def add_peer(self, metadata: bytes, regions: list[Region], *, device: str | None = None) -> str:
+    def add_peer(self, metadata: bytes, regions: list[Region]) -> str:
         """Load a peer's metadata; remember the regions it advertised (the only ranges
-        write/read will touch on it). Returns the peer's agent name."""
+        write/read will touch on it; host or device memory by their device field).
+        Returns the peer's agent name."""
         agent = self._require_open("add_peer")
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise TypeError(f"metadata must be bytes, got {type(metadata).__name__}")
         metadata = bytes(metadata)
-        mem_type = self.mem_type if device is None else _MEM_TYPES.get(device)
-        if mem_type is None:
-            raise ValueError(f"device must be one of {sorted(_MEM_TYPES)}, got {device!r}")
         table = _RegionTable(_as_region_array(regions, "peer regions"), "peer regions")
         if not metadata or len(metadata) > _MAX_METADATA_BYTES:
             raise TransferError(f"agent {self.name!r}: add_peer: metadata of {len(metadata)} bytes rejected")
@@ -444,7 +479,7 @@ class NixlTransport:
                 agent.add_remote_agent(metadata)
             except Exception as e:
                 raise TransferError(f"agent {self.name!r}: add_peer {name!r} failed: {type(e).__name__}: {e}") from e
-        self._peers[name] = _Peer(name, table, mem_type)
+        self._peers[name] = _Peer(name, table)
         return name
 
     def remove_peer(self, peer: str) -> None:
@@ -499,9 +534,11 @@ class NixlTransport:
         _check_disjoint(rdesc if op == "WRITE" else ldesc, f"{op} destination")
         nbytes = int(ldesc[:, 1].sum())
         ldesc, rdesc = _coalesce(ldesc, rdesc, lidx, ridx)
+        lmem, lnixl = nixl_descs(ldesc, f"{op} local")
+        rmem, rnixl = nixl_descs(rdesc, f"{op} remote")
         try:
-            lx = agent.get_xfer_descs(ldesc.astype(np.uint64), self.mem_type)
-            rx = agent.get_xfer_descs(rdesc.astype(np.uint64), p.mem_type)
+            lx = agent.get_xfer_descs(lnixl, lmem)
+            rx = agent.get_xfer_descs(rnixl, rmem)
             if lx is None or rx is None:
                 raise TransferError("descriptor list construction failed")
             handle = agent.initialize_xfer(op, lx, rx, peer, notif, backends=[_BACKEND])

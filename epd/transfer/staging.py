@@ -12,9 +12,10 @@ On CPU the buffer lives in a file under ``/dev/shm`` mapped by every TP rank of 
 instance: each rank packs (prefill) or unpacks (decode) its own head slice in it, and
 rank 0's single NIXL agent registers it, so one write moves every rank's part. The
 file is unlinked as soon as all ranks mapped it (:meth:`StagingPool.unlink`), so a
-killed instance leaves nothing behind. A GPU build would instead give every rank its
-own staging buffer in device memory and its own NIXL agent (as vLLM's
-``NixlConnector`` does) and let each rank write its part.
+killed instance leaves nothing behind. With per-rank agents (``--kv-agents per-rank``,
+``epd.transfer.rank_agent``) every rank instead has its own private pool of its own KV
+heads (``block_elems`` / tp, allocated alike on every rank) and its own NIXL agent, as
+vLLM's ``NixlConnector`` does, and writes its part itself.
 
 The allocator (first fit over free ranges, ranges merged on free) runs on rank 0
 only; other ranks are told ``(start, n)`` with each step.
@@ -27,6 +28,8 @@ import secrets
 from pathlib import Path
 
 import torch
+
+from epd.transfer.nixl_transport import tensor_region
 
 __all__ = ["StagingPool", "StagingPoolError"]
 
@@ -42,18 +45,25 @@ class StagingPool:
         dtype: the KV cache dtype.
         shm_path: when set, the buffer is (or is mapped from) this shared-memory file;
             ``create`` makes it (rank 0) instead of opening an existing one.
+        device: where a private pool lives (``"cpu"``, or the rank's ``"cuda:i"``: device
+            staging, registered as VRAM, packed and unpacked by device kernels).
+
+    Raises:
+        ValueError: non-positive sizes, or a shared-memory pool on a device.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_elems: int, dtype: torch.dtype,
-                 shm_path: str | None = None, create: bool = True) -> None:
+                 shm_path: str | None = None, create: bool = True, device: str | torch.device = "cpu") -> None:
         if num_layers < 1 or num_blocks < 1 or block_elems < 1:
             raise ValueError(f"staging pool needs positive sizes, got {num_layers} layers, {num_blocks} blocks, "
                              f"{block_elems} elements per block")
+        if shm_path is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"a shared-memory staging pool lives in host memory, not on {device}")
         self.num_layers, self.num_blocks, self.block_elems, self.dtype = num_layers, num_blocks, block_elems, dtype
         self.shm_path = shm_path
         numel = num_layers * num_blocks * block_elems
         if shm_path is None:
-            flat = torch.zeros(numel, dtype=dtype)
+            flat = torch.zeros(numel, dtype=dtype, device=device)
         else:
             if create:
                 nbytes = numel * torch.tensor([], dtype=dtype).element_size()
@@ -141,9 +151,8 @@ class StagingPool:
         return self.buffer[layer, start * e:(start + num_blocks) * e]
 
     def region(self, layer: int, start: int, num_blocks: int) -> tuple[int, int, int]:
-        """``(addr, nbytes, device)`` of :meth:`view` for NIXL."""
-        v = self.view(layer, start, num_blocks)
-        return (v.data_ptr(), v.numel() * v.element_size(), 0)
+        """``(addr, nbytes, device)`` of :meth:`view` for NIXL (``tensor_region``)."""
+        return tensor_region(self.view(layer, start, num_blocks))
 
     def layer_regions(self) -> list[tuple[int, int, int]]:
         """One region per layer covering the whole pool (what peers may write)."""

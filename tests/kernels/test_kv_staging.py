@@ -109,3 +109,40 @@ def test_dispatch_uses_reference_on_cpu():
     dk, dv = torch.zeros_like(k[:, :, :1]), torch.zeros_like(v[:, :, :1])
     unpack_kv(out.unsqueeze(0), dk, dv, torch.tensor([0]), 1)
     assert torch.equal(dk[0], k[2, :, 1:]) and torch.equal(dv[0], v[2, :, 1:])
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2), (2, 4)])
+@pytest.mark.parametrize("kernels", ["ref", pytest.param("triton", marks=needs_triton)])
+def test_quantized_rows_cross_tp_with_their_own_heads_scales(kind, src_tp, dst_tp, kernels, device):
+    """A quantized cache (uint8 rows: head_dim codes, then that head's scales) staged
+    across TP: every destination head dequantizes to exactly the source head's values.
+    Heads get scales of very different magnitude (x 10^h), so a row whose codes and
+    scales came from different heads, or scales cut off a row, would not match."""
+    from epd.kernels.kv_quant import dequantize_kv, quantize_kv, scale_bytes
+
+    heads, head_dim, bs, blocks = 4, 32, 4, 9
+    g = torch.Generator().manual_seed(src_tp * 10 + dst_tp)
+    mag = torch.logspace(-2, 1, heads).view(1, heads, 1)
+    kf, vf = (torch.randn(blocks * bs, heads, head_dim, generator=g) * mag + 0.5 for _ in range(2))
+    k = quantize_kv(kf, kind).view(blocks, bs, heads, head_dim + scale_bytes(head_dim))
+    v = quantize_kv(vf, kind).view_as(k)
+    pack, unpack = (pack_kv_ref, unpack_kv_ref) if kernels == "ref" else (pack_kv_triton, unpack_kv_triton)
+    src_ids, dst_ids = torch.tensor([7, 2, 5, 0]), torch.tensor([1, 8, 3, 4], dtype=torch.int32)
+    row = k.shape[-1]
+    staging = torch.full(staging_shape(src_tp, 4, bs, heads, row), 0xAB, dtype=torch.uint8, device=device)
+    for r in range(src_tp):
+        pack(_shard(k, src_tp, r).to(device), _shard(v, src_tp, r).to(device), src_ids.to(device), staging[r])
+    hd = heads // dst_tp
+    got_k, got_v = [], []
+    for q in range(dst_tp):
+        dk = torch.zeros(blocks, bs, hd, row, dtype=torch.uint8, device=device)
+        dv = torch.zeros_like(dk)
+        unpack(staging, dk, dv, dst_ids.to(device), q * hd)
+        got_k.append(dk.cpu())
+        got_v.append(dv.cpu())
+    full_k, full_v = torch.cat(got_k, dim=2)[dst_ids.long()], torch.cat(got_v, dim=2)[dst_ids.long()]
+    assert torch.equal(full_k, k[src_ids]) and torch.equal(full_v, v[src_ids])  # byte for byte
+    want = dequantize_kv(k[src_ids], kind, torch.float32)
+    assert torch.equal(dequantize_kv(full_k, kind, torch.float32), want)
+    assert float((want - kf.view(blocks, bs, heads, head_dim)[src_ids]).abs().max()) < 0.1 * float(mag.max())

@@ -355,3 +355,36 @@ def test_interpreter_works_when_set_after_import(tmp_path):
                          timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip().endswith("ok")
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(8, 2, 64, 16), (6, 2, 20, 8)])
+def test_decode_triton_reads_a_quantized_cache_in_place(device, kind, num_heads, num_kv_heads, head_dim, block_size):
+    """The kernel dequantizes uint8 rows (codes, then each group's scales: int8 float16
+    scale and min, fp8 a float32 scale; head_dim 20: one scale group a row) as it loads
+    them: equal to attention over the dequantized cache; and the dispatcher's reference
+    path (dequantize_blocks) gives the same. Per-head magnitudes differ by 10^3, so
+    codes read with another group's or head's scales would be far off."""
+    from epd.kernels.kv_quant import dequantize_kv, quantize_kv, scale_bytes
+    from epd.kernels.paged_attention import paged_decode_attention
+
+    ctx_lens = [1, block_size + 3, 45]
+    kc, vc, tables, ctx = make_paged(ctx_lens, num_kv_heads, head_dim, block_size, torch.float32,
+                                     garbage=(-1, 0), seed=11)
+    mag = torch.logspace(-1.5, 1.5, num_kv_heads).view(1, 1, num_kv_heads, 1)
+    row = head_dim + scale_bytes(head_dim)
+    kq, vq = (quantize_kv(torch.nan_to_num(c * mag).view(-1, num_kv_heads, head_dim), kind)
+              .view(*c.shape[:3], row) for c in (kc, vc))
+    kd, vd = dequantize_kv(kq, kind, torch.float32), dequantize_kv(vq, kind, torch.float32)
+    q = torch.randn(len(ctx_lens), num_heads, head_dim)
+    scale = head_dim ** -0.5
+    ref = paged_decode_attention_ref(q, kd, vd, tables, ctx, scale)
+    out = paged_decode_attention_triton(q.to(device), kq.to(device), vq.to(device), tables.to(device),
+                                        ctx.to(device), scale, kv_quant=kind)
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5 * float(mag.max()), rtol=1e-4)
+    torch.testing.assert_close(paged_decode_attention(q, kq, vq, tables, ctx, scale, kv_quant=kind), ref,
+                               atol=1e-5 * float(mag.max()), rtol=1e-4)
+    with pytest.raises(ValueError, match="takes"):
+        paged_decode_attention_triton(q.to(device), kq[..., :-4].to(device), vq[..., :-4].to(device),
+                                      tables.to(device), ctx.to(device), scale, kv_quant=kind)

@@ -210,3 +210,78 @@ def test_unsplittable_tp_pair_rejected_at_launch(models):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "--tp d:4: TP 4 must divide" in r.stderr and "2 KV heads" in r.stderr and "allows: 1, 2" in r.stderr
     assert "prefill and decode TP may differ" in r.stderr
+
+
+# ---------------------------------------------------------------- a small staging pool
+def test_small_staging_pool_caps_max_model_len(tmp_path_factory):
+    """Tiny Llama with 8 layers: 2 KiB of fp32 KV per token, so --kv-staging-mb 1 holds 64 blocks
+    of 8 = 512 tokens < the model's 2048. Every instance with a staging pool lowers its
+    max_model_len to 512 (a warning names --kv-staging-mb) and the API validates against it:
+    a longer prompt is the usual max_model_len 400 before anything is reserved, not a
+    reservation failure on decode; the longest prompt that fits still answers."""
+    path = str(create_tiny_model("llama", tmp_path_factory.mktemp("staging") / "llama8", num_hidden_layers=8))
+    with launch(path, "p:2,d:1", "--tp", "p:2,d:1", "--block-size", str(BLOCK), "--kv-staging-mb", "1") as server:
+        before = server.workers()
+        for inst in ("prefill-0", "decode-0"):
+            assert before[inst]["num_staging_blocks"] == 64 and before[inst]["max_model_len"] == 512, before[inst]
+        log = "".join(server.lines)
+        assert "epd launch: warning: --kv-staging-mb 1 holds 64 staging blocks = 512 tokens" in log, log[-3000:]
+        # each instance's own warning (prefill and decode)
+        assert log.count("--kv-staging-mb: the KV staging pool holds 64 blocks = 512 tokens < max_model_len 2048: "
+                         "max_model_len lowered to 512") >= 2, log[-3000:]
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"] == 512
+        too_long = [5 + i % 500 for i in range(600)]  # 75 staging blocks
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": server.model, "prompt": too_long, "max_tokens": 1})
+        assert r.status_code == 400 and "max_model_len is 512" in r.text and "staging" not in r.text, r.text
+        after = server.workers()
+        assert after["decode-0"].get("num_reserved", 0) == 0 and _staging_all_free(after)
+        assert after["decode-0"]["num_free_blocks"] == before["decode-0"]["num_free_blocks"]
+        client = server.client()
+        r = client.completions.create(model=server.model, prompt=too_long[:511], max_tokens=1, temperature=0)
+        assert r.usage.prompt_tokens == 511 and r.usage.completion_tokens == 1  # 64 staging blocks: all of them
+        r = client.completions.create(model=server.model, prompt=TEXT_PROMPTS[1], max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == MAX_TOKENS
+        assert _staging_all_free(_wait_idle(server, before))
+
+
+# ---------------------------------------------------------------- quantized KV cache
+def _kv_bytes_moved(server) -> float:
+    """``epd_kv_transfer_bytes_total`` over every prefill instance (it reaches /metrics with
+    the workers' heartbeats: polled until it stops changing)."""
+    pattern = r'^epd_kv_transfer_bytes_total\{[^}]*\} ([0-9.e+]+)$'
+    last = -1.0
+    for _ in range(30):
+        total = sum(float(v) for v in re.findall(pattern, httpx.get(server.url + "/metrics").text, re.M))
+        if total > 0 and total == last:
+            return total
+        last = total
+        time.sleep(0.3)
+    return last
+
+
+@pytest.mark.parametrize("pools", ["p:2,d:1", "p:1,d:2"])
+def test_quantized_kv_staged_across_tp(pools, models, expected):
+    """``--kv-cache-dtype int8`` with heterogeneous TP on tiny Llama (2 KV heads, head_dim
+    16: rows of 16 codes + 4 bytes of float16 scale and min): the staging pack/unpack
+    moves each head's row with its own scales, so the decode side's greedy text equals the
+    TP=1 offline engine with the same int8 cache; the bytes moved are the full-precision
+    run's times 20 / 64 (int8 row / fp32 row), and the blocks per GiB grow by 64 / 20."""
+    llm = LLM(models["llama"], dtype="float32", kv_cache_dtype="int8", kv_cache_memory_gb=0.05)
+    outs = llm.generate(TEXT_PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    want = [o.outputs[0].text for o in outs]
+    llm.shutdown()
+    assert want != expected["llama"][0]  # the int8 cache changes this model's greedy text: a real check
+    moved, per_gb = {}, {}
+    for kv in ("int8", "auto"):
+        with launch(models["llama"], pools, "--tp", pools, "--block-size", str(BLOCK), "--kv-cache-dtype", kv) as server:
+            _check_parity(server, want if kv == "int8" else expected["llama"][0], None)
+            moved[kv] = _kv_bytes_moved(server)
+            stats = server.workers()
+            assert _staging_all_free(stats)
+            per_gb[kv] = {k: s["kv_blocks_per_gb"] for k, s in stats.items() if "kv_blocks_per_gb" in s}
+    assert moved["auto"] > 0 and moved["int8"] * 64 == moved["auto"] * 20, moved
+    assert per_gb["int8"].keys() == per_gb["auto"].keys() and per_gb["int8"]
+    for inst, n in per_gb["int8"].items():  # 2**30 // block bytes, which shrink 64 -> 20 a row
+        assert abs(n * 20 / 64 - per_gb["auto"][inst]) <= 1, (inst, n, per_gb["auto"][inst])
