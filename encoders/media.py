@@ -56,7 +56,7 @@ __all__ = [
 
 
 class MediaError(ValueError):
-    """A media item was rejected. ``modality`` is ``"image"`` or ``"audio"``.
+    """A media item was rejected. ``modality`` is ``"image"``, ``"audio"`` or ``"video"``.
 
     The message says what is wrong and what is accepted (or which limit was hit).
     """
@@ -105,6 +105,14 @@ class MediaLimits:
     ``max_audio_sample_rate`` (Hz) and ``max_audio_channels``: cap the decoded sample
     count of highly compressible streams and reject channel-first arrays in
     :func:`normalize_audio`.
+    Video (``epd.encoders.video``): ``max_video_bytes`` (encoded size),
+    ``max_video_pixels`` (width * height of a frame), ``max_video_seconds`` (duration),
+    ``max_video_stream_frames`` (frames in the stream) and ``max_video_decoded_pixels``
+    (frames x width x height: what decoding costs; default 10 minutes of 1080p at 30 fps),
+    all from the headers and again while decoding; ``max_video_frames``: most frames sampled
+    from one video (a request may ask for fewer, never more); ``max_video_sample_pixels``:
+    sampled frames larger than this are scaled down (aspect kept) as they are converted to
+    RGB, so one video's frames hold at most max_video_frames x this x 3 bytes.
     """
 
     max_image_bytes: int = 20 * 2**20
@@ -113,6 +121,13 @@ class MediaLimits:
     max_audio_seconds: float = 600.0
     max_audio_sample_rate: int = 192_000
     max_audio_channels: int = 64
+    max_video_bytes: int = 50 * 2**20
+    max_video_pixels: int = 3840 * 2160
+    max_video_seconds: float = 600.0
+    max_video_stream_frames: int = 36_000
+    max_video_decoded_pixels: int = 600 * 30 * 1920 * 1080
+    max_video_frames: int = 32
+    max_video_sample_pixels: int = 1920 * 1080
 
 
 _DEFAULT_LIMITS = MediaLimits()

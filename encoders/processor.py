@@ -27,6 +27,7 @@ from PIL import Image
 from transformers import PretrainedConfig
 
 from epd.encoders.media import MediaLimits, decode_audio, decode_image, normalize_audio, normalize_image
+from epd.encoders.video import DecodedVideo, VideoFrame, VideoSampling, decode_video, normalize_video
 from epd.errors import InvalidRequestError
 from epd.multimodal import MediaItem, Placeholder
 
@@ -60,7 +61,9 @@ AUDIO_MODES = ("auto", "transcribe", "embed")
 def model_modalities(config: PretrainedConfig, audio_mode: str = "auto") -> dict[str, str]:
     """modality -> how it is served.
 
-    LLaVA: {"image": "embed"}; Qwen2-Audio: {"audio": "embed"} (or "transcribe"
+    LLaVA: {"image": "embed", "video": "frames"} (a video's sampled frames go in as
+    images, ``epd.encoders.video``); Qwen2-VL / Qwen2.5-VL: {"image": "embed", "video":
+    "embed"} (native resolution; a video as temporal patches); Qwen2-Audio: {"audio": "embed"} (or "transcribe"
     when asked); text-only LMs: {"audio": "transcribe"} (Whisper tiny.en speech
     front end; ``audio_mode="embed"`` is refused: they have no audio tower).
 
@@ -73,7 +76,11 @@ def model_modalities(config: PretrainedConfig, audio_mode: str = "auto") -> dict
     if model_type == "llava":
         if audio_mode == "embed":
             raise ValueError("audio_mode='embed' needs an audio tower; this LLaVA model has none")
-        return {"image": "embed"} | ({"audio": "transcribe"} if audio_mode == "transcribe" else {})
+        return {"image": "embed", "video": "frames"} | ({"audio": "transcribe"} if audio_mode == "transcribe" else {})
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
+        if audio_mode == "embed":
+            raise ValueError(f"audio_mode='embed' needs an audio tower; this {model_type} model has none")
+        return {"image": "embed", "video": "embed"} | ({"audio": "transcribe"} if audio_mode == "transcribe" else {})
     if model_type == "qwen2_audio":
         return {"audio": "transcribe" if audio_mode == "transcribe" else "embed"}
     if audio_mode == "embed":
@@ -84,8 +91,11 @@ def model_modalities(config: PretrainedConfig, audio_mode: str = "auto") -> dict
 class MultiModalProcessor:
     """Turns ``{"image": [...], "audio": [...]}`` into items and placeholder spans.
 
-    Accepted inputs: images as ``PIL.Image`` or encoded bytes; audio as encoded
-    bytes or ``(samples, sample_rate)`` with samples ``[n]`` or ``[n, channels]``.
+    Accepted inputs: images as ``PIL.Image`` or encoded bytes (or a video's
+    :class:`~epd.encoders.video.VideoFrame`, from :meth:`video_frames`); audio as encoded
+    bytes or ``(samples, sample_rate)`` with samples ``[n]`` or ``[n, channels]``; video
+    (:meth:`video_frames`) as encoded bytes or a ``[T, H, W, 3]`` uint8 frame array.
+    ``video_fps``: frames sampled per second of video when a request names no fps.
 
     Raises (from ``process``):
         InvalidRequestError: the model does not take that modality, or
@@ -95,8 +105,9 @@ class MultiModalProcessor:
 
     def __init__(self, model_dir: str | Path, config: PretrainedConfig, *,
                  limits: MediaLimits = MediaLimits(), background: tuple[int, int, int] = (255, 255, 255),
-                 max_items_per_prompt: int = 16, audio_mode: str = "auto") -> None:
+                 max_items_per_prompt: int = 16, audio_mode: str = "auto", video_fps: float = 2.0) -> None:
         self.model_dir = str(model_dir)
+        self.video_fps = VideoSampling(fps=video_fps, max_frames=limits.max_video_frames).fps
         self.config = config
         self.limits = limits
         self.background = tuple(background)
@@ -105,12 +116,17 @@ class MultiModalProcessor:
         self.image_processor = None
         self.feature_extractor = None
         self.placeholder_ids: dict[str, int] = {}
+        self.native_resolution = False
         if "image" in self.modalities:
             from transformers import AutoImageProcessor
 
             self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
             self.placeholder_ids["image"] = config.image_token_id
-            self._image_tokens = self._tokens_per_image(config)
+            # Qwen2-VL / Qwen2.5-VL: native resolution, tokens per image from its grid.
+            self.native_resolution = config.model_type in ("qwen2_vl", "qwen2_5_vl")
+            self._image_tokens = None if self.native_resolution else self._tokens_per_image(config)
+        if self.modalities.get("video") == "embed":
+            self.placeholder_ids["video"] = config.video_token_id
         if self.modalities.get("audio") == "embed":
             from transformers import AutoFeatureExtractor
 
@@ -127,21 +143,120 @@ class MultiModalProcessor:
         return n
 
     # ---- items ----------------------------------------------------------
-    def image_item(self, image: Image.Image | bytes) -> MediaItem:
+    def image_item(self, image: Image.Image | bytes | VideoFrame) -> MediaItem:
         if "image" not in self.modalities:
             raise InvalidRequestError("this model does not accept images: send text (or audio) only",
                                       "multi_modal_data")
-        if isinstance(image, (bytes, bytearray, memoryview)):
+        params = {"processor": self.image_processor.to_dict(), "background": self.background}
+        if isinstance(image, VideoFrame):
+            # A video frame is keyed by its video (bytes + sampling) and position, so the same
+            # bytes sampled at another fps never shares a cache entry or KV with these frames.
+            params["video"] = {"digest": image.video_digest, "frame": image.index}
+            img = Image.fromarray(image.pixels)  # [H, W, 3] uint8 -> RGB
+        elif isinstance(image, (bytes, bytearray, memoryview)):
             img = decode_image(bytes(image), limits=self.limits, background=self.background)
         elif isinstance(image, Image.Image):
             img = normalize_image(image, limits=self.limits, background=self.background)
         else:
             raise InvalidRequestError(f"an image must be a PIL.Image or encoded bytes, got {type(image).__name__}",
                                       "multi_modal_data")
+        if self.native_resolution:
+            # The processor resizes to a multiple of patch * merge pixels, between its
+            # size["shortest_edge"] (min_pixels) and size["longest_edge"] (max_pixels).
+            out = self.image_processor(images=[img], return_tensors="pt")
+            pixel_values, grid = out["pixel_values"].float(), out["image_grid_thw"][0].long()
+            merge = self.config.vision_config.spatial_merge_size
+            return MediaItem("image", item_hash("image", params, pixel_values, grid),
+                             {"pixel_values": pixel_values, "image_grid_thw": grid}, int(grid.prod()) // merge**2)
         pixel_values = self.image_processor(images=[img], return_tensors="pt")["pixel_values"][0].float()
-        params = {"processor": self.image_processor.to_dict(), "background": self.background}
         return MediaItem("image", item_hash("image", params, pixel_values), {"pixel_values": pixel_values},
                          self._image_tokens)
+
+    def video_sampling(self, fps: float | None = None, num_frames: int | None = None) -> VideoSampling:
+        """The sampling of a request: ``fps`` (default ``video_fps``) and at most ``num_frames``
+        frames (default and ceiling: ``limits.max_video_frames``).
+
+        Raises:
+            InvalidRequestError: ``fps`` not positive, or ``num_frames`` outside 1..max_video_frames.
+        """
+        ceiling = self.limits.max_video_frames
+        if num_frames is not None and (isinstance(num_frames, bool) or not isinstance(num_frames, int)
+                                       or not 1 <= num_frames <= ceiling):
+            raise InvalidRequestError(f"num_frames must be an integer from 1 to {ceiling} (--max-video-frames), "
+                                      f"got {num_frames!r}", "media_io_kwargs.video.num_frames")
+        try:
+            return VideoSampling(fps=self.video_fps if fps is None else fps, max_frames=num_frames or ceiling)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "media_io_kwargs.video.fps") from None
+
+    def decode_video(self, video, sampling: VideoSampling | None = None) -> DecodedVideo:
+        """``video`` (encoded bytes, or a ``[T, H, W, 3]`` uint8 array of frames) sampled as
+        ``sampling`` (default: :meth:`video_sampling`).
+
+        Raises:
+            InvalidRequestError: the model takes no video, or ``video`` is neither.
+            epd.encoders.media.MediaError: undecodable or over a limit.
+        """
+        if "video" not in self.modalities:
+            raise InvalidRequestError("this model does not accept video", "multi_modal_data")
+        sampling = sampling or self.video_sampling()
+        if isinstance(video, (bytes, bytearray, memoryview)):
+            return decode_video(bytes(video), sampling=sampling, limits=self.limits)
+        if isinstance(video, (np.ndarray, torch.Tensor)):
+            return normalize_video(video, sampling=sampling, limits=self.limits)
+        raise InvalidRequestError(f"a video must be encoded bytes or a [T, H, W, 3] uint8 array, got "
+                                  f"{type(video).__name__}", "multi_modal_data")
+
+    def video_item(self, video, sampling: VideoSampling | None = None) -> MediaItem:
+        """A video as one item of temporal patches (Qwen2-VL / Qwen2.5-VL).
+
+        The sampled frames (padded to a multiple of ``temporal_patch_size`` by repeating the
+        last, as transformers' ``Qwen2VLVideoProcessor.patchify``) are resized and normalized
+        one by one by the model's image processor (its min/max pixels: a checkpoint's video
+        size settings are not read yet), and each patch's ``temporal_patch_size`` frames are
+        stacked in its flat layout ``[C, temporal_patch, patch, patch]``, the video
+        processor's. data: ``pixel_values_videos`` [t*h*w, C*temporal_patch*patch**2] fp32,
+        ``video_grid_thw`` [3] int64, ``second_per_grid_t`` [1] fp32 (seconds per temporal
+        patch: temporal_patch_size x the sampled frames' spacing); num_tokens = t*h*w/merge**2.
+
+        ``video`` may also be a ``(video, VideoSampling)`` pair, the sampling winning over
+        ``sampling``.
+
+        Raises: as :meth:`decode_video`; InvalidRequestError for a model without video patches.
+        """
+        if self.modalities.get("video") != "embed":
+            raise InvalidRequestError("this model takes video as frames: see video_frames", "multi_modal_data")
+        if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], VideoSampling):
+            video, sampling = video  # (video, its request's sampling), as the chat renderer passes it
+        decoded = self.decode_video(video, sampling)
+        vc = self.config.vision_config
+        tp, merge = vc.temporal_patch_size, vc.spatial_merge_size
+        frames = list(decoded.frames)
+        frames += [frames[-1]] * (-len(frames) % tp)
+        out = self.image_processor(images=[Image.fromarray(f) for f in frames], return_tensors="pt")
+        grids = out["image_grid_thw"]
+        if not bool((grids == grids[0]).all()):  # pragma: no cover - frames of one video share a size
+            raise RuntimeError(f"frames of one video resized to different grids: {grids.tolist()}")
+        _, gh, gw = grids[0].tolist()
+        n, c, p = gh * gw, 3, vc.patch_size
+        # the image processor repeats each frame over the temporal axis; keep one copy per frame
+        per_frame = out["pixel_values"].float().reshape(len(frames), n, c, tp, p, p)[:, :, :, 0]
+        gt = len(frames) // tp
+        patches = per_frame.reshape(gt, tp, n, c, p, p).permute(0, 2, 3, 1, 4, 5).reshape(gt * n, c * tp * p * p)
+        grid = torch.tensor([gt, gh, gw], dtype=torch.int64)
+        times = decoded.timestamps_s
+        spacing = float(np.diff(times).mean()) if len(times) > 1 else 1.0 / decoded.sampling.fps
+        second = torch.tensor([tp * spacing], dtype=torch.float32)
+        params = {"processor": self.image_processor.to_dict(), "video": decoded.digest}
+        return MediaItem("video", item_hash("video", params, patches, grid, second),
+                         {"pixel_values_videos": patches.contiguous(), "video_grid_thw": grid,
+                          "second_per_grid_t": second}, gt * gh * gw // merge**2)
+
+    def video_frames(self, video, sampling: VideoSampling | None = None) -> list[VideoFrame]:
+        """A video as the image items a frames-as-images model (LLaVA) takes: its sampled
+        frames in time order, each keyed by the video's digest (bytes + sampling) and index.
+        Raises as :meth:`decode_video`."""
+        return self.decode_video(video, sampling).as_images()
 
     def _audio_samples(self, audio) -> np.ndarray:
         sr = self.audio_sample_rate
@@ -177,15 +292,23 @@ class MultiModalProcessor:
     def process(self, prompt_token_ids: list[int], mm_data: dict | None) -> ProcessedPrompt:
         """Build items for ``mm_data`` and expand their placeholders in the prompt."""
         mm_data = dict(mm_data or {})
+        video_embed = self.modalities.get("video") == "embed"
         for key in mm_data:
-            if key not in ("image", "audio"):
-                raise InvalidRequestError(f"unknown modality {key!r}: use 'image' or 'audio'", "multi_modal_data")
+            if key not in ("image", "audio") and not (key == "video" and video_embed):
+                hint = (" (a video goes in as its frames: see video_frames)" if key == "video" else "")
+                raise InvalidRequestError(f"unknown modality {key!r}: use 'image' or 'audio'{hint}",
+                                          "multi_modal_data")
         images = mm_data.get("image") or []
         audios = mm_data.get("audio") or []
         images = images if isinstance(images, list) else [images]
         audios = audios if isinstance(audios, list) else [audios]
-        if len(images) + len(audios) > self.max_items_per_prompt:
-            raise InvalidRequestError(f"{len(images) + len(audios)} media items in one prompt; "
+        videos = mm_data.get("video") or []
+        videos = videos if isinstance(videos, list) else [videos]
+        # A video counts once (its frames are bounded by max_video_frames).
+        count = (sum(1 for i in images if not isinstance(i, VideoFrame) or i.index == 0) + len(audios)
+                 + len(videos))
+        if count > self.max_items_per_prompt:
+            raise InvalidRequestError(f"{count} media items in one prompt; "
                                       f"at most {self.max_items_per_prompt} are allowed", "multi_modal_data")
         if images and "image" not in self.modalities:
             raise InvalidRequestError("this model does not accept images: send text (or audio) only",
@@ -193,7 +316,8 @@ class MultiModalProcessor:
         if audios and "audio" not in self.modalities:
             raise InvalidRequestError("this model does not accept audio: send text (or images) only",
                                       "multi_modal_data")
-        items = {"image": [self.image_item(i) for i in images], "audio": [self.audio_item(a) for a in audios]}
+        items = {"image": [self.image_item(i) for i in images], "audio": [self.audio_item(a) for a in audios],
+                 "video": [self.video_item(v) for v in videos]}
         # Count placeholders of every modality the model knows, even with no items:
         # placeholder text with no matching item is rejected.
         for modality, token_id in self.placeholder_ids.items():
@@ -215,7 +339,15 @@ class MultiModalProcessor:
                 continue
             item = items[modality][next_item[modality]]
             next_item[modality] += 1
-            placeholders.append(Placeholder(len(out_ids), item.num_tokens, item.item_hash))
+            grid = item.data.get("image_grid_thw", item.data.get("video_grid_thw"))
+            second = item.data.get("second_per_grid_t")
+            interval = None
+            if second is not None:
+                from epd.models.mrope import time_interval  # (epd.models pulls in the LM code)
+
+                interval = time_interval(float(second.reshape(-1)[0]), self.config.vision_config.tokens_per_second)
+            placeholders.append(Placeholder(len(out_ids), item.num_tokens, item.item_hash,
+                                            None if grid is None else tuple(int(x) for x in grid.tolist()), interval))
             ordered.append(item)
             out_ids.extend([t] * item.num_tokens)
         if items["audio"] and self.modalities.get("audio") == "transcribe":

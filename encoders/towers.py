@@ -1,8 +1,8 @@
 """Encoder towers + projectors: media tensors -> LM input embeddings.
 
 The towers are transformers' own modules (CLIP / SigLIP vision models, the
-Qwen2-Audio Whisper-style encoder) and the projectors transformers' own
-``multi_modal_projector``; epd only loads them and selects features exactly as
+Qwen2-VL / Qwen2.5-VL vision transformer with its patch merger, the Qwen2-Audio
+Whisper-style encoder) and the projectors transformers' own ``multi_modal_projector``; epd only loads them and selects features exactly as
 ``LlavaModel.get_image_features`` and ``Qwen2AudioModel.forward`` do, so the
 embeddings equal the reference's. The LM half of these checkpoints runs in
 epd's own engine, so it is not loaded here: the model is instantiated from the
@@ -74,6 +74,41 @@ class VisionTower:
             feats = [f[:, 1:] for f in feats]
         emb = self.projector(torch.cat(feats, dim=-1))
         return list(emb)
+
+
+#: model_type -> the transformers class whose ``model.visual`` is the tower
+QWEN_VL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+
+class QwenVisionTower:
+    """Qwen2-VL / Qwen2.5-VL vision encoder (native resolution): the patches of n images,
+    ``pixel_values`` [sum_i t_i*h_i*w_i, C * temporal_patch * patch**2] fp32 (the processor's
+    flat layout) with their ``grid_thw`` [n, 3] int64 -> a list of n embeddings
+    ``[t_i * h_i * w_i / merge**2, text_hidden]`` (Qwen2.5-VL: window attention in all but
+    the full-attention blocks, then the 2x2 patch merger into the LM's width).
+    Source: transformers ``Qwen2_5_VLModel.get_image_features`` (``visual(...).pooler_output``).
+    """
+
+    def __init__(self, model_dir: str | Path, config: PretrainedConfig | None = None,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        import transformers
+
+        self.config = config or AutoConfig.from_pretrained(str(model_dir))
+        model_cls = getattr(transformers, QWEN_VL_CLASSES[self.config.model_type])
+        full = _load_without_lm(model_cls, model_dir, self.config, dtype)
+        self.visual = full.model.visual.to(device)
+        self.merge = self.config.vision_config.spatial_merge_size
+        self.device, self.dtype = torch.device(device), dtype
+
+    def num_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Embedding rows per item of ``grid_thw`` [n, 3]: [n] int64."""
+        return grid_thw.prod(-1) // self.merge**2
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        grid = grid_thw.to(self.device, torch.int64).reshape(-1, 3)
+        out = self.visual(pixel_values.to(self.device, self.dtype), grid_thw=grid)
+        return list(torch.split(out.pooler_output, self.num_tokens(grid).tolist()))
 
 
 class AudioTower:

@@ -9,12 +9,20 @@ import sys
 import time
 
 from epd.launch_config import (DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES,
-                               TOOL_CALL_PARSERS, WORKER_ENGINE_FLAGS, LaunchConfig, int_list)
+                               TOOL_CALL_PARSERS, VIDEO_ENCODE_SPLITS, WORKER_ENGINE_FLAGS, KV_AGENTS, LaunchConfig,
+                               int_list)
 from epd.roles import ROLE_NAMES, Role
 
-_KV_CACHE_DTYPE_HELP = ("KV cache: auto (the model's dtype), or quantized, int8 or fp8_e4m3 (fp8), one float32 "
-                        "scale per 16 values of each token and KV head: 3.2x the fp32 blocks per GB at head_dim "
-                        "64; prefill and decode workers must use the same")
+_KV_CACHE_DTYPE_HELP = ("KV cache: auto (the model's dtype), or quantized, int8 or fp8_e4m3 (fp8): 1 byte a value "
+                        "plus 4 bytes per 16 values of each token and KV head (int8: a float16 scale and min; fp8: "
+                        "a float32 scale): 3.2x the fp32 blocks per GB at head_dim 64; prefill and decode workers "
+                        "must use the same (the router refuses a mismatch)")
+
+
+_KV_AGENTS_HELP = ("NIXL agents of a tensor-parallel prefill/decode instance: rank0 (one agent, rank 0's, moves a "
+                   "staging pool every rank maps) or per-rank (every rank owns an agent, its KV and its own staging "
+                   "buffer and writes its own KV heads, as vLLM's NixlConnector); prefill and decode must use the "
+                   "same (default: %(default)s)")
 
 
 def _tts_engine(text: str) -> str:
@@ -95,6 +103,16 @@ def _non_negative_float(text: str) -> float:
     return x
 
 
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (x > 0 and x != float("inf")):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return x
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -147,6 +165,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(WorkerArgs(role=role, instance_id=args.instance_id, router=args.router, model=args.model,
                                  rank=args.rank, tp=args.tp, threads=args.threads, host=args.advertise_host,
                                  kv_timeout_s=args.kv_timeout, kv_staging_mb=args.kv_staging_mb, keys=keys,
+                                 kv_agents=args.kv_agents,
                                  http_port=args.http_port, drain_timeout_s=args.drain_timeout,
                                  engine_kwargs=(engine_kwargs if role not in (Role.ENCODE, Role.TTS) else
                                                 {"tts_engine": tts_engine} if role == Role.TTS else {}),
@@ -197,10 +216,39 @@ def cmd_launch(args: argparse.Namespace) -> int:
     tp = {p.role: p.tp for p in plan}
     if Role.PREFILL in tp and (tp[Role.PREFILL], tp[Role.DECODE]) != (1, 1):
         # KV moves through staging buffers whenever a side is tensor-parallel.
-        worker_args += ["--kv-staging-mb", str(config.kv_staging_mb)]
+        worker_args += ["--kv-staging-mb", str(config.kv_staging_mb), "--kv-agents", config.kv_agents]
+        _check_kv_staging(config, path)
     from epd.api.serve import serve
 
     return asyncio.run(serve(config, path, t0, plan=plan, worker_args=worker_args, http_socket=http_socket))
+
+
+def _check_kv_staging(config: LaunchConfig, path) -> None:
+    """Refuse a ``--kv-staging-mb`` that holds no staging block (one block of K and V of every
+    layer and KV head, the unit a staged transfer reserves); warn when the pool caps
+    ``max_model_len`` (each prefill/decode instance then lowers its own: epd.engine.llm_engine).
+
+    Raises:
+        LaunchSpecError: the pool holds less than one block.
+    """
+    from epd.config import EngineConfig
+    from epd.launch_spec import LaunchSpecError
+
+    kwargs = {k: v for k, v in (("block_size", config.block_size), ("dtype", config.dtype),
+                                ("kv_cache_dtype", config.kv_cache_dtype)) if v is not None}
+    engine = EngineConfig(str(path), **kwargs)  # TP 1: a staging block holds every KV head
+    per_block = engine.kv_bytes_per_block()
+    blocks = config.kv_staging_mb * 2**20 // per_block
+    if blocks < 1:
+        raise LaunchSpecError(
+            f"--kv-staging-mb {config.kv_staging_mb} holds no KV staging block: one block ({engine.block_size} tokens "
+            f"of K and V, every layer and KV head, {engine.kv_storage_dtype}) is {per_block / 2**20:.2f} MiB; "
+            f"use --kv-staging-mb {-(-per_block // 2**20)} or more")
+    limit = config.max_model_len or engine.max_model_len
+    if blocks * engine.block_size < limit:
+        print(f"epd launch: warning: --kv-staging-mb {config.kv_staging_mb} holds {blocks} staging blocks = "
+              f"{blocks * engine.block_size} tokens < max_model_len {limit}: max_model_len lowered to "
+              f"{blocks * engine.block_size} (a prompt's KV must fit the staging pool)", file=sys.stderr, flush=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -303,6 +351,7 @@ def _add_launch_parser(sub) -> None:
     la.add_argument("--kv-staging-mb", type=_positive_int, default=d.kv_staging_mb,
                     help="staging pool per prefill/decode instance (MiB) for KV transfers when prefill or "
                          "decode is tensor-parallel (default: %(default)s)")
+    la.add_argument("--kv-agents", choices=KV_AGENTS, default=d.kv_agents, help=_KV_AGENTS_HELP)
     la.set_defaults(func=cmd_launch)
 
 
@@ -317,6 +366,10 @@ def _add_routing_args(rt, d: LaunchConfig) -> None:
     rt.add_argument("--decode-routing", choices=ROUTING_POLICIES[Role.DECODE], default=d.decode_routing,
                     help="decode pool: free-kv picks the most free KV blocks after reservations, then the smallest "
                          "running batch (default: %(default)s)")
+    rt.add_argument("--video-encode-split", choices=VIDEO_ENCODE_SPLITS, default=d.video_encode_split,
+                    help="auto: with 2+ live encoders, a Qwen-VL video of 2+ temporal patches is encoded in "
+                         "contiguous chunks of temporal patches, one per encoder (exact: the tower attends within "
+                         "a patch); off: a request's items all go to one encoder (default: %(default)s)")
     rt.add_argument("--kv-overlap-weight", type=_non_negative_float, default=d.kv_overlap_weight,
                     help="weight of the blocks still to prefill against the open blocks in the kv policy's cost "
                          "(default: %(default)s; 0 ignores cached prefixes)")
@@ -361,6 +414,16 @@ def _add_api_args(api, d: LaunchConfig) -> None:
                      help="seconds one media URL fetch may take, redirects included (default: %(default)s)")
     api.add_argument("--max-media-mb", type=float, default=d.max_media_mb,
                      help="largest fetched media body in MiB (default: %(default)s)")
+    api.add_argument("--video-fps", type=_positive_float, default=d.video_fps,
+                     help="frames sampled per second of a video_url's video; a request's "
+                          "media_io_kwargs.video.fps overrides it (default: %(default)s)")
+    api.add_argument("--max-video-frames", type=_positive_int, default=d.max_video_frames,
+                     help="most frames sampled from one video (longer videos are sampled more sparsely, uniformly "
+                          "over their duration); a request's media_io_kwargs.video.num_frames may ask for fewer "
+                          "(default: %(default)s)")
+    api.add_argument("--max-video-seconds", type=_positive_float, default=d.max_video_seconds,
+                     help="longest video accepted, from its header and again while decoding; longer ones get "
+                          "400 (default: %(default)s)")
     api.add_argument("--max-realtime-sessions", type=_positive_int, default=d.max_realtime_sessions,
                      help="/v1/realtime sessions open at once; more are closed with code 1013 (default: %(default)s)")
     api.add_argument("--allowed-origins", default=d.allowed_origins,
@@ -449,6 +512,10 @@ def _add_worker_parser(sub) -> None:
     w.add_argument("--max-prefill-tokens-with-decodes", type=_non_negative_int, default=256,
                    help="prefill tokens per step while requests decode (stall-free batching; 0: off; "
                         "default: %(default)s)")
+    w.add_argument("--target-step-ms", type=_non_negative_float, default=100.0,
+                   help="while requests decode, keep each step's predicted time under this many ms by "
+                        "bounding its prefill tokens (stall-free batching on a step-time model fitted to "
+                        "the worker's own steps; 0: off, tokens capped only; default: %(default)s)")
     w.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                    help="model and KV cache dtype (default: auto: bfloat16 where the device computes it "
                         "natively (AVX512_BF16/AMX CPUs, bf16 GPUs), else float32); every prefill and decode "
@@ -469,6 +536,7 @@ def _add_worker_parser(sub) -> None:
     w.add_argument("--max-model-len", type=_positive_int, default=None)
     w.add_argument("--kv-staging-mb", type=int, default=0,
                    help="staging pool (MiB) for KV transfers between different TP layouts (0: none)")
+    w.add_argument("--kv-agents", choices=KV_AGENTS, default="rank0", help=_KV_AGENTS_HELP)
     w.set_defaults(func=cmd_worker)
 
 
@@ -476,7 +544,7 @@ def _add_model_parser(sub) -> None:
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
     ct = msub.add_parser("create-tiny", help="write a tiny random checkpoint for tests and benchmarks")
-    ct.add_argument("kind", choices=["llama", "qwen2", "qwen3", "llava", "llava-siglip", "qwen2-audio"])
+    ct.add_argument("kind", choices=["llama", "qwen2", "qwen3", "llava", "llava-siglip", "qwen2-audio", "qwen2.5-vl"])
     ct.add_argument("dir")
     ct.add_argument("--seed", type=int, default=0)
     ct.add_argument("--force", action="store_true", help="write into a non-empty directory")

@@ -66,6 +66,10 @@ class EngineConfig:
             sequence decodes (stall-free batching, Sarathi-Serve; see
             ``epd.engine.scheduler``); 0: no cap below ``max_num_batched_tokens``.
             256 keeps an aggregated CPU worker's steps near 0.3 s with SmolLM2-135M.
+        target_step_ms: while any sequence decodes, the prefill tokens of a step are
+            also bounded so that its predicted time stays under this many ms (the
+            engine's step-time model, ``epd.engine.step_time``; at least one block of
+            prompt tokens per step, so prompts always progress); 0: off.
         max_model_len: longest sequence (prompt + output); default and cap: the
             model's ``max_position_embeddings``.
         enable_prefix_caching: reuse KV of full blocks with equal hash chains.
@@ -77,8 +81,9 @@ class EngineConfig:
             else fp32), or a name ("float32", "bfloat16", "float16"). The KV cache
             follows it unless ``kv_cache_dtype`` quantizes it.
         kv_cache_dtype: "auto" (the model's ``dtype``), or a quantized cache: "int8" or
-            "fp8_e4m3" ("fp8" too, as vLLM's ``kv_cache_dtype``), one float32 scale per
-            16 values of each token and KV head (``epd.kernels.kv_quant``): rows of
+            "fp8_e4m3" ("fp8" too, as vLLM's ``kv_cache_dtype``): 1-byte values and, per 16
+            values of each token and KV head, 4 bytes of scales (int8: a float16 scale and
+            min; fp8: a float32 scale; ``epd.kernels.kv_quant``): rows of
             ``head_dim + scale_bytes(head_dim)`` bytes (80 at head_dim 64).
         device: "cpu" or "cuda"; "auto" picks cuda when available.
         compile: run the model through ``torch.compile`` (dynamic shapes; the attention
@@ -98,6 +103,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_tokens_with_decodes: int = 256
+    target_step_ms: float = 100.0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
@@ -145,6 +151,9 @@ class EngineConfig:
         if not isinstance(self.max_prefill_tokens_with_decodes, int) or self.max_prefill_tokens_with_decodes < 0:
             raise ConfigError(f"max_prefill_tokens_with_decodes must be an integer >= 0 (0: off), "
                               f"got {self.max_prefill_tokens_with_decodes!r}")
+        if (not isinstance(self.target_step_ms, (int, float)) or isinstance(self.target_step_ms, bool)
+                or not self.target_step_ms >= 0 or self.target_step_ms == float("inf")):
+            raise ConfigError(f"target_step_ms must be a finite number >= 0 (0: off), got {self.target_step_ms!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         tp = self.tensor_parallel_size
@@ -163,8 +172,8 @@ class EngineConfig:
                 f"got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_gb <= 0:
-            raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.kv_cache_memory_gb < float("inf"):  # also rejects nan
+            raise ConfigError(f"kv_cache_memory_gb must be a finite number > 0, got {self.kv_cache_memory_gb}")
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes captured as CUDA graphs ([] where none are: on a CPU,
@@ -206,7 +215,7 @@ class EngineConfig:
     @property
     def kv_row_elems(self) -> int:
         """Elements of one (token, KV head) row of the cache: ``head_dim``, or
-        ``head_dim + scale_bytes(head_dim)`` bytes (values and their float32 scales) when quantized."""
+        ``head_dim + scale_bytes(head_dim)`` bytes (values and their scales) when quantized."""
         from epd.kernels.kv_quant import scale_bytes
 
         return self.head_dim + (0 if self.kv_quant is None else scale_bytes(self.head_dim))

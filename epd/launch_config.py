@@ -17,7 +17,7 @@ from epd.tts import check_engine as check_tts_engine
 
 __all__ = ["LaunchConfig", "ROUTING_POLICIES", "KV_FAILURE_POLICIES", "WORKER_ENGINE_FLAGS", "DTYPE_NAMES",
            "KV_CACHE_DTYPE_NAMES",
-           "TOOL_CALL_PARSERS"]
+           "TOOL_CALL_PARSERS", "VIDEO_ENCODE_SPLITS"]
 
 #: routing policies per pool, the default first (epd.router.policies.POLICIES, kept here so
 #: `epd --help` need not import torch; tests check that the two agree)
@@ -27,6 +27,9 @@ ROUTING_POLICIES = {Role.ENCODE: ("media-affinity", "least-loaded", "round-robin
 
 #: what a failed P->D KV transfer does (applied by epd.router.recovery), the default first
 KV_FAILURE_POLICIES = ("retry", "recompute")
+#: --video-encode-split: "auto" splits a long Qwen-VL video over the encode pool, "off" never
+#: (epd.router.encode_split)
+VIDEO_ENCODE_SPLITS = ("auto", "off")
 
 #: ``--tool-call-parser`` values (epd.api.tool_parsers.PARSERS, kept here so `epd --help` need
 #: not import the API; tests check that the two agree)
@@ -56,8 +59,12 @@ def int_list(text: str) -> tuple[int, ...]:
 
 #: engine settings a worker takes (flag, type; bool: a switch); `epd launch` forwards the
 #: ones given to every worker
+#: ``--kv-agents``: NIXL agents of a TP instance (epd.transfer.rank_agent)
+KV_AGENTS = ("rank0", "per-rank")
+
 WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
-                       ("--max-prefill-tokens-with-decodes", int), ("--kv-cache-memory-gb", float),
+                       ("--max-prefill-tokens-with-decodes", int), ("--target-step-ms", float),
+                       ("--kv-cache-memory-gb", float),
                        ("--num-kv-blocks", int), ("--max-model-len", int), ("--dtype", str),
                        ("--kv-cache-dtype", str),
                        ("--compile", bool), ("--enforce-eager", bool), ("--cuda-graph-sizes", int_list),
@@ -92,6 +99,7 @@ class LaunchConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_prefill_tokens_with_decodes: int | None = None
+    target_step_ms: float | None = None
     kv_cache_memory_gb: float | None = None
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
@@ -106,6 +114,7 @@ class LaunchConfig:
     prefill_routing: str = ROUTING_POLICIES[Role.PREFILL][0]
     decode_routing: str = ROUTING_POLICIES[Role.DECODE][0]
     kv_overlap_weight: float = 1.0
+    video_encode_split: str = "auto"  # one of VIDEO_ENCODE_SPLITS
     # failure recovery
     max_retries: int = 2
     kv_failure_policy: str = KV_FAILURE_POLICIES[0]
@@ -121,12 +130,16 @@ class LaunchConfig:
     allowed_media_domains: str = ""  # comma-separated
     media_fetch_timeout: float = 10.0
     max_media_mb: float = 20.0
+    video_fps: float = 2.0  # frames sampled per second of video (a request's media_io_kwargs.video.fps wins)
+    max_video_frames: int = 32  # frames sampled from one video at most
+    max_video_seconds: float = 600.0  # longest video accepted (declared duration)
     max_realtime_sessions: int = 64
     allowed_origins: str = ""  # comma-separated; none: browsers (which send Origin) are refused on /v1/realtime
     tool_call_parser: str | None = None  # None: detected from the chat template
     served_model_name: list[str] | None = None  # the names clients may ask for; the first is reported
     # KV staging when prefill or decode is tensor-parallel
     kv_staging_mb: int = 256
+    kv_agents: str = "rank0"  # one of KV_AGENTS (epd.transfer.rank_agent)
 
     def __post_init__(self) -> None:
         parse_tp(self.tp, parse_pools(self.pools))
@@ -135,12 +148,17 @@ class LaunchConfig:
             if getattr(self, field_name) not in ROUTING_POLICIES[role]:
                 raise LaunchSpecError(f"{field_name} must be one of {ROUTING_POLICIES[role]}, "
                                       f"got {getattr(self, field_name)!r}")
+        if self.video_encode_split not in VIDEO_ENCODE_SPLITS:
+            raise LaunchSpecError(f"video_encode_split must be one of {VIDEO_ENCODE_SPLITS}, "
+                                  f"got {self.video_encode_split!r}")
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
             raise LaunchSpecError(f"kv_failure_policy must be one of {KV_FAILURE_POLICIES}, "
                                   f"got {self.kv_failure_policy!r}")
         if self.max_prefill_tokens_with_decodes is not None and self.max_prefill_tokens_with_decodes < 0:
             raise LaunchSpecError(f"max_prefill_tokens_with_decodes must be >= 0 (0: off), "
                                   f"got {self.max_prefill_tokens_with_decodes}")
+        if self.target_step_ms is not None and not self.target_step_ms >= 0:
+            raise LaunchSpecError(f"target_step_ms must be >= 0 (0: off), got {self.target_step_ms}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise LaunchSpecError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
@@ -152,9 +170,18 @@ class LaunchConfig:
                 check_tts_engine(self.tts_engine)
             except ValueError as e:
                 raise LaunchSpecError(f"tts_engine: {e}") from None
+        if self.kv_agents not in KV_AGENTS:
+            raise LaunchSpecError(f"kv_agents must be one of {KV_AGENTS}, got {self.kv_agents!r}")
         if not self.kv_overlap_weight >= 0:  # also rejects nan
             raise LaunchSpecError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
-        for name in ("threads_per_worker", "max_pending_requests", "max_n", "kv_staging_mb", "max_realtime_sessions"):
+        if not (self.video_fps > 0 and self.max_video_seconds > 0):  # also rejects nan
+            raise LaunchSpecError(f"video_fps and max_video_seconds must be > 0, got {self.video_fps}, "
+                                  f"{self.max_video_seconds}")
+        if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < float("inf"):  # also nan
+            raise LaunchSpecError(f"kv_cache_memory_gb must be a finite number > 0 (GiB of KV cache per worker "
+                                  f"rank), got {self.kv_cache_memory_gb}")
+        for name in ("threads_per_worker", "max_pending_requests", "max_n", "kv_staging_mb", "max_realtime_sessions",
+                     "max_video_frames", "num_kv_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise LaunchSpecError(f"{name} must be >= 1, got {value}")

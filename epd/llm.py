@@ -28,6 +28,8 @@ class LLM:
             "transcribe" (Whisper tiny.en speech front end: the transcript replaces
             each ``<|audio|>`` in the prompt text) or "embed" (audio tower embeddings).
         encoder_cache_gb: bound of the encoder (embedding) cache, GiB.
+        video_fps / max_video_frames / max_video_seconds: frames sampled per second of
+            video, at most this many per video, from videos at most this long (seconds).
         The remaining arguments are ``EngineConfig``'s (see there).
 
     Raises:
@@ -37,17 +39,20 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, block_size: int = 16,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_prefill_tokens_with_decodes: int = 256, max_model_len: int | None = None,
+                 max_prefill_tokens_with_decodes: int = 256, target_step_ms: float = 100.0,
+                 max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
                  kv_cache_memory_gb: float = 2.0, dtype: str = "auto", kv_cache_dtype: str = "auto",
                  device: str = "auto", seed: int = 0,
                  compile: bool = False, enforce_eager: bool = False,
-                 audio_mode: str = "auto", encoder_cache_gb: float = 0.5) -> None:
+                 audio_mode: str = "auto", encoder_cache_gb: float = 0.5, video_fps: float = 2.0,
+                 max_video_frames: int = 32, max_video_seconds: float = 600.0) -> None:
         path = resolve_model(model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         config = EngineConfig(str(path), tensor_parallel_size=tensor_parallel_size, block_size=block_size,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
+                              target_step_ms=target_step_ms,
                               max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                               num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
                               dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device, seed=seed, compile=compile,
@@ -68,6 +73,16 @@ class LLM:
             self.engine.shutdown()
             raise ConfigError(str(e)) from None
         self.audio_mode = audio_mode
+        from epd.encoders.media import MediaLimits
+
+        try:
+            self.media_limits = MediaLimits(max_video_frames=max_video_frames, max_video_seconds=max_video_seconds)
+            from epd.encoders.video import VideoSampling
+
+            self.video_fps = VideoSampling(fps=video_fps, max_frames=max_video_frames).fps
+        except ValueError as e:
+            self.engine.shutdown()
+            raise ConfigError(str(e)) from None
         self.encoder_cache_bytes = int(encoder_cache_gb * 2**30)
 
     @property
@@ -77,7 +92,8 @@ class LLM:
             from epd.encoders.processor import MultiModalProcessor
 
             self._mm_processor = MultiModalProcessor(self.model_dir, self.engine.config.hf_config,
-                                                     audio_mode=self.audio_mode)
+                                                     audio_mode=self.audio_mode, limits=self.media_limits,
+                                                     video_fps=self.video_fps)
         return self._mm_processor
 
     @property
@@ -106,6 +122,8 @@ class LLM:
         if not isinstance(prompt, dict):
             prompt = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
         mm_data = dict(mm_data or {})
+        if "video" in mm_data and proc.modalities.get("video") != "embed":  # Qwen-VL: the processor's own
+            prompt, mm_data = self._videos_as_frames(prompt, mm_data)
         if mm_data.get("audio") and proc.modalities.get("audio") == "transcribe":
             # A text-only LM hears audio through the speech front end: each
             # AUDIO_PLACEHOLDER in the prompt text becomes that clip's transcript.
@@ -135,6 +153,48 @@ class LLM:
         return text, processed.prompt_token_ids, {"mm_placeholders": processed.placeholders,
                                                    "mm_embeddings": embeddings}
 
+    def _videos_as_frames(self, prompt: dict, mm_data: dict) -> tuple[dict, dict]:
+        """A model that takes video as images (LLaVA): each ``VIDEO_PLACEHOLDER`` in the text
+        prompt becomes that video's sampled frames as image placeholders, and the frames join
+        ``mm_data["image"]`` in prompt order. Returns the new prompt and media.
+
+        Raises:
+            InvalidRequestError: the model takes no video, no text prompt, or placeholder
+                counts that do not match the items.
+        """
+        import re
+
+        from epd.encoders.video import VIDEO_PLACEHOLDER
+
+        proc = self.mm_processor
+        if proc.modalities.get("video") != "frames":
+            raise InvalidRequestError("this model does not accept video", "multi_modal_data")
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or "prompt_token_ids" in prompt:
+            raise InvalidRequestError(f"video for this model needs a text prompt ('prompt', no 'prompt_token_ids') "
+                                      f"with {VIDEO_PLACEHOLDER!r} where each video goes", "prompt")
+        videos = mm_data.pop("video")
+        videos = videos if isinstance(videos, list) else [videos]
+        images = mm_data.get("image") or []
+        images = list(images) if isinstance(images, list) else [images]
+        image_tok = self.tokenizer.convert_ids_to_tokens(proc.placeholder_ids["image"])
+        pieces = re.split(f"({re.escape(image_tok)}|{re.escape(VIDEO_PLACEHOLDER)})", text)
+        slots = pieces[1::2]
+        if slots.count(VIDEO_PLACEHOLDER) != len(videos) or slots.count(image_tok) != len(images):
+            raise InvalidRequestError(
+                f"the prompt has {slots.count(VIDEO_PLACEHOLDER)} {VIDEO_PLACEHOLDER!r} and {slots.count(image_tok)} "
+                f"{image_tok!r} placeholder(s) for {len(videos)} video(s) and {len(images)} image(s): put exactly "
+                "one per item", "prompt")
+        videos_left, images_left, ordered = iter(videos), iter(images), []
+        for k in range(1, len(pieces), 2):
+            if pieces[k] == VIDEO_PLACEHOLDER:
+                frames = proc.video_frames(next(videos_left))
+                ordered += frames
+                pieces[k] = image_tok * len(frames)
+            else:
+                ordered.append(next(images_left))
+        return {"prompt": "".join(pieces)}, {**mm_data, "image": ordered}
+
     def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -154,9 +214,12 @@ class LLM:
 
         A prompt is a string, a token-id list, or a dict with ``prompt`` (or
         ``prompt_token_ids``) and optional ``multi_modal_data``:
-        ``{"image": [PIL.Image | bytes, ...], "audio": [(samples, rate) | bytes, ...]}``;
-        the prompt then carries the model's placeholder token (e.g. ``<image>``)
-        once per item, in order. A single token-id list counts as one prompt.
+        ``{"image": [PIL.Image | bytes, ...], "audio": [(samples, rate) | bytes, ...],
+        "video": [bytes | uint8 array [T, H, W, 3], ...]}``; the prompt then carries the
+        model's placeholder token (e.g. ``<image>``) once per item, in order. A video for a
+        model that takes video as images (LLaVA) needs a text prompt with ``<video>``
+        (``epd.encoders.video.VIDEO_PLACEHOLDER``) where it goes: its frames, sampled at
+        ``video_fps`` (at most ``max_video_frames``), become image items there. A single token-id list counts as one prompt.
         Every prompt is validated (and its media encoded) before any runs, so an
         invalid one raises ``InvalidRequestError`` or ``MediaError`` and nothing
         is queued.

@@ -72,16 +72,26 @@ class TensorBlob(msgspec.Struct, frozen=True):
 
     def to_tensor(self) -> torch.Tensor:
         """Raises MessageError when dtype, shape and byte count disagree."""
-        dtype = _DTYPES.get(self.dtype)
-        if dtype is None or any(d < 0 for d in self.shape):
-            raise MessageError(f"bad tensor header: dtype={self.dtype!r} shape={self.shape}")
-        elem = torch.tensor([], dtype=dtype).element_size()
-        expected = math.prod(self.shape) * elem
-        if expected != len(self.data) or expected > MAX_TENSOR_BYTES:
-            raise MessageError(f"tensor of shape {self.shape} ({self.dtype}) needs {expected} bytes, "
-                               f"got {len(self.data)} (limit {MAX_TENSOR_BYTES})")
         buf = np.frombuffer(self.data, dtype=np.uint8).copy()
-        return torch.from_numpy(buf).view(dtype).reshape(self.shape)
+        return typed_view(torch.from_numpy(buf), self.dtype, self.shape)
+
+
+def typed_view(raw: torch.Tensor, dtype: str, shape: list[int]) -> torch.Tensor:
+    """``raw`` (uint8 ``[nbytes]``, on any device) viewed as a ``dtype`` tensor of ``shape``,
+    after checking the header another process sent (``TensorBlob``'s dtype names).
+
+    Raises:
+        MessageError: an unknown dtype, a negative dimension, or a byte count that does
+            not match (or exceeds ``MAX_TENSOR_BYTES``).
+    """
+    torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if torch_dtype is None or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise MessageError(f"bad tensor header: dtype={dtype!r} shape={shape}")
+    expected = math.prod(shape) * torch.tensor([], dtype=torch_dtype).element_size()
+    if expected != raw.numel() or expected > MAX_TENSOR_BYTES:
+        raise MessageError(f"tensor of shape {shape} ({dtype}) needs {expected} bytes, "
+                           f"got {raw.numel()} (limit {MAX_TENSOR_BYTES})")
+    return raw.view(torch_dtype).reshape(shape)
 
 
 
@@ -99,6 +109,23 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 # ---- worker lifecycle -------------------------------------------------------
+class RankKV(msgspec.Struct, frozen=True):
+    """One TP rank's own NIXL agent and the memory it exposes (``--kv-agents per-rank``).
+
+    ``agent``: the agent's name (rank 0: the instance id; rank r: ``<instance>.tp<r>``);
+    ``nixl_metadata``: its ``get_agent_metadata`` bytes (b"" for rank 0, whose metadata is
+    the instance's own ``WorkerReady.nixl_metadata``); ``k_regions[l]`` / ``v_regions[l]``:
+    layer l of this rank's paged cache; ``staging_regions[l]``: layer l of this rank's
+    private staging buffer (its own KV heads only; [] when it has none).
+    """
+
+    agent: str
+    nixl_metadata: bytes
+    k_regions: list[Region]
+    v_regions: list[Region]
+    staging_regions: list[Region] = []
+
+
 class KVLayout(msgspec.Struct, frozen=True):
     """How a worker's paged KV cache lies in memory (per TP rank).
 
@@ -107,7 +134,8 @@ class KVLayout(msgspec.Struct, frozen=True):
     ``tp``: the instance's TP ranks (``num_kv_heads`` is per rank). A worker with a
     staging pool (heterogeneous TP, ``epd.transfer.staging``) advertises it:
     ``staging_regions[l]`` covers layer l of the pool, ``staging_block_bytes`` is one
-    staging block (K and V of every KV head) of one layer.
+    staging block (K and V of every KV head) of one layer. With ``kv_agents`` "per-rank"
+    ``ranks[r]`` is rank r's agent and regions (rank 0's equal the fields above).
     """
 
     num_layers: int
@@ -121,6 +149,11 @@ class KVLayout(msgspec.Struct, frozen=True):
     tp: int = 1
     staging_regions: list[Region] = []
     staging_block_bytes: int = 0
+    #: "rank0": one agent (rank 0's) and a staging pool shared by every rank; "per-rank":
+    #: every rank owns an agent (``ranks``), its own KV regions and its own staging buffer,
+    #: whose block then holds this rank's heads only (``staging_block_bytes`` / tp).
+    kv_agents: str = "rank0"
+    ranks: list[RankKV] = []
 
     @property
     def block_bytes(self) -> int:
@@ -187,18 +220,42 @@ class PeerInfo(msgspec.Struct, tag="peer", frozen=True):
 
 
 # ---- encode -------------------------------------------------------------------
+#: a video chunk: temporal patches [start, end) of a Qwen2-VL / Qwen2.5-VL video item
+TemporalRange = tuple[int, int]
+
+
 class EncodeRequest(msgspec.Struct, tag="encode", frozen=True):
+    """Router -> E: encode ``items``.
+
+    ``temporal_ranges``: empty (every item whole), or one entry per item: None (the item
+    whole) or ``(start, end)``, a chunk of a video item: only its temporal patches
+    ``start..end-1`` are encoded (grid ``(end - start, h, w)``); the item then carries just
+    their pixel rows (``pixel_values_videos`` [(end - start) * h * w, ...]) beside the whole
+    video's ``video_grid_thw`` and ``num_tokens``. The encoder checks the range against them.
+    """
+
     request_id: str
     items: list[MediaItem]
+    temporal_ranges: list[TemporalRange | None] = []
 
 
 class EmbeddingRef(msgspec.Struct, frozen=True):
-    """Where an item's embedding [num_tokens, hidden] lies in an E worker's buffer."""
+    """Where an item's embedding [num_tokens, hidden] (or a chunk's rows of it) lies in an
+    E worker's buffer.
+
+    ``instance_id``: the encode instance whose buffer holds it ("": the message's
+    ``encode_instance``); the prefill side reads each instance's refs in one NIXL read.
+    ``temporal_range``: the video chunk these rows are (``EncodeRequest.temporal_ranges``);
+    None: the whole item. The chunks of one item follow each other in temporal order,
+    the first starting at 0, and are concatenated into the item's placeholder.
+    """
 
     item_hash: str
     region: Region
     shape: list[int]
     dtype: str
+    instance_id: str = ""
+    temporal_range: TemporalRange | None = None
 
 
 class EncodeDone(msgspec.Struct, tag="encode_done", frozen=True):
@@ -383,9 +440,12 @@ class StatsRequest(msgspec.Struct, tag="stats_request", frozen=True):
 
 
 class WorkerStats(msgspec.Struct, tag="stats", frozen=True):
+    """A worker's answer to ``StatsRequest``: counters and sizes (numbers) and a few names
+    (strings, e.g. ``kv_cache_dtype``)."""
+
     instance_id: str
     token: int
-    stats: dict[str, float]
+    stats: dict[str, float | str]
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):

@@ -75,8 +75,9 @@ class Metrics:
         tts_audio_seconds: seconds of audio a TTS worker synthesized.
         kv_transfer_failures: KV transfers that failed or timed out.
         kv_transfer_retries: KV transfers retried.
-        kv_transfer_requests: NIXL READ/WRITE requests a worker posted (per request: one
-            per layer for a P -> D KV transfer, staged or direct).
+        kv_transfer_requests: NIXL READ/WRITE operations a worker posted, not client
+            requests (per P -> D KV transfer, staged or direct: one per layer, times the TP
+            ranks with per-rank agents); the name is kept for compatibility.
         preemptions: sequences preempted (KV blocks freed, to be recomputed).
         cancelled_requests: requests cancelled (client disconnect or abort).
         migrated_requests: requests migrated off a dead or drained D worker.
@@ -89,9 +90,13 @@ class Metrics:
         prefix_cache_hits_tokens: of those, tokens whose KV was reused.
         encoder_cache_queries: multimodal items looked up in the encoder (embedding) cache.
         encoder_cache_hits: of those, items whose embedding was reused.
+        encode_video_chunks: chunks of temporal patches of a long video an encode worker
+            was sent (the router splits one across encoders, ``--video-encode-split``);
+            each is also one encoder cache query.
         routing_decisions: requests the router sent to an instance, with a third
             label ``policy`` (the pool's routing policy: kv, free-kv, media-affinity,
-            least-loaded, round-robin); ``epd_routing_decisions_total``.
+            least-loaded, round-robin; ``video-split``: an encoder sent a chunk of a long
+            video besides the policy's pick); ``epd_routing_decisions_total``.
 
     Gauges (``livemax``: the value of the instance's live processes, see below):
         kv_cache_usage_ratio: used / total KV blocks of the instance, 0..1.
@@ -149,6 +154,7 @@ class Metrics:
     prefix_cache_hits_tokens: object
     encoder_cache_queries: object
     encoder_cache_hits: object
+    encode_video_chunks: object
     routing_decisions: object
     kv_cache_usage_ratio: object
     queue_depth: object
@@ -190,7 +196,8 @@ _COUNTERS = {
     "kv_transfer_bytes": ("epd_kv_transfer_bytes", "KV cache bytes transferred P -> D"),
     "kv_transfer_failures": ("epd_kv_transfer_failures", "KV transfers that failed or timed out"),
     "kv_transfer_retries": ("epd_kv_transfer_retries", "KV transfers retried"),
-    "kv_transfer_requests": ("epd_kv_transfer_requests", "NIXL READ/WRITE requests posted"),
+    "kv_transfer_requests": ("epd_kv_transfer_requests", "NIXL READ/WRITE operations posted, one per layer (and "
+                             "TP rank with per-rank agents) of each KV transfer: not client requests"),
     "tts_phrases": ("epd_tts_phrases", "Phrases spoken by a TTS worker"),
     "tts_characters": ("epd_tts_characters", "Characters of the phrases a TTS worker spoke"),
     "tts_audio_seconds": ("epd_tts_audio_seconds", "Seconds of audio a TTS worker synthesized"),
@@ -205,6 +212,8 @@ _COUNTERS = {
     "prefix_cache_hits_tokens": ("epd_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache"),
     "encoder_cache_queries": ("epd_encoder_cache_queries", "Multimodal items looked up in the encoder cache"),
     "encoder_cache_hits": ("epd_encoder_cache_hits", "Multimodal items found in the encoder cache"),
+    "encode_video_chunks": ("epd_encode_video_chunks", "Chunks of temporal patches of a video an encode worker was "
+                            "sent (a video split across encoders)"),
 }
 # field -> (metric name, help, multiprocess_mode); see Metrics for the choice of mode
 _GAUGES = {

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 
+import numpy as np
 import torch
 
 from epd.block_hash import placeholder_keys
@@ -77,6 +78,7 @@ class Sequence:
         self.grammar = None
         # One TokenLogprobs per sampled output token when params.logprobs is set.
         self.output_logprobs: list = []
+        self._mrope: tuple | None = None  # (positions [3, P] int64 numpy, delta), computed on first use
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -102,6 +104,34 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def mrope(self) -> tuple | None:
+        """M-RoPE positions of the request (Qwen2-VL / Qwen2.5-VL media, whose placeholders
+        carry grids): (``positions`` [3, P] int64 numpy over the original prompt's P tokens,
+        ``delta``); every later token (a resumed request's prior output, then each decoded
+        token) is at index + delta in all three rows. None: positions are the token indices.
+        Source: ``epd.models.mrope.prompt_mrope_positions``."""
+        if self._mrope is None and any(p.grid_thw is not None for p in self.mm_placeholders):
+            from epd.models.mrope import prompt_mrope_positions
+
+            # The original prompt (a resumed request's prior output was decoded at index + delta;
+            # with transformers 5.24's rule that equals continuing its text, so either works).
+            prompt_len = self.num_prompt_tokens - self.params.num_prior_output_tokens
+            positions, delta = prompt_mrope_positions(prompt_len, self.mm_placeholders)
+            self._mrope = (positions.numpy(), delta)
+        return self._mrope
+
+    def mrope_positions(self, start: int, count: int) -> np.ndarray:
+        """[3, count] int64 positions of tokens start .. start + count - 1 (see :meth:`mrope`)."""
+        idx = np.arange(start, start + count, dtype=np.int64)
+        table = self.mrope()
+        if table is None:
+            return np.broadcast_to(idx, (3, count))
+        positions, delta = table
+        out = np.broadcast_to(idx + delta, (3, count)).copy()
+        inside = idx < positions.shape[1]
+        out[:, inside] = positions[:, idx[inside]]
+        return out
 
     def block_extra_keys(self, block_index: int, block_size: int) -> tuple[str, ...]:
         """Media item hashes whose placeholder span overlaps block ``block_index``."""

@@ -38,6 +38,22 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Media placeholders (LLaVA's and Qwen2-Audio's own spellings); in every tiny vocab.
 IMAGE_TOKEN = "<image>"
 AUDIO_TOKEN = "<|AUDIO|>"
+# Qwen2-VL / Qwen2.5-VL's vision tokens: added to the "qwen2.5-vl" kind's tokenizer only (after
+# the BPE is trained, so every other kind keeps its exact vocabulary).
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen2-VL's chat template, cut to what the tiny model needs: HF content lists with image
+# and video parts as <|vision_start|><|image_pad|><|vision_end|> (one pad, the processor
+# expands it), string content as is.
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 TOKENIZER_VOCAB_SIZE = 512
 
 _CORPUS = (
@@ -212,6 +228,32 @@ def _qwen2_audio_config(tokenizer):
                             audio_token_id=tokenizer.convert_tokens_to_ids(AUDIO_TOKEN))
 
 
+def _qwen2_5_vl_config(tokenizer):
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig, Qwen2_5_VLVisionConfig
+
+    # 4 px patches merged 2x2: one LM token per 8x8 pixels; windows of 16 px (2x2 merged
+    # tokens) in block 0, full attention in block 1, as the real model alternates them.
+    vcfg = Qwen2_5_VLVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                  out_hidden_size=_MODEL_DIMS["hidden_size"], patch_size=4, spatial_merge_size=2,
+                                  temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1],
+                                  tokens_per_second=2)
+    # head_dim 16: 8 rotary frequencies split 2 (time) / 3 (height) / 3 (width).
+    text = Qwen2_5_VLTextConfig(**_base_kwargs(tokenizer), tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                 "mrope_section": [2, 3, 3]})
+    ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in
+           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN_VL_TOKENS)}
+    return Qwen2_5_VLConfig(text_config=text.to_dict(), vision_config=vcfg.to_dict(), tie_word_embeddings=False,
+                            **ids)
+
+
+#: the tiny Qwen2.5-VL processor's dynamic resolution: images are resized (aspect kept) to
+#: between 4 and 64 merged 8x8-pixel tokens
+QWEN_VL_MIN_PIXELS = 4 * 8 * 8
+QWEN_VL_MAX_PIXELS = 64 * 8 * 8
+
+
 def _save_processor(kind: str, config, out: pathlib.Path) -> None:
     if kind == "llava":
         from transformers import CLIPImageProcessor
@@ -223,6 +265,14 @@ def _save_processor(kind: str, config, out: pathlib.Path) -> None:
 
         size = config.vision_config.image_size
         SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(out)
+    elif kind == "qwen2.5-vl":
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        vc = config.vision_config
+        Qwen2VLImageProcessorPil(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
+                                 temporal_patch_size=vc.temporal_patch_size,
+                                 size={"shortest_edge": QWEN_VL_MIN_PIXELS, "longest_edge": QWEN_VL_MAX_PIXELS},
+                                 ).save_pretrained(out)
     elif kind == "qwen2-audio":
         from transformers import WhisperFeatureExtractor
 
@@ -236,9 +286,11 @@ _CONFIGS: dict[str, Callable] = {
     "llava": _llava_config,
     "llava-siglip": functools.partial(_llava_config, vision="siglip"),
     "qwen2-audio": _qwen2_audio_config,
+    "qwen2.5-vl": _qwen2_5_vl_config,
 }
 _MULTIMODAL_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava-siglip": "LlavaForConditionalGeneration",
-                       "qwen2-audio": "Qwen2AudioForConditionalGeneration"}
+                       "qwen2-audio": "Qwen2AudioForConditionalGeneration",
+                       "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration"}
 TINY_KINDS = tuple(_CONFIGS)
 TEXT_KINDS = ("llama", "qwen2", "qwen3")
 MULTIMODAL_KINDS = tuple(_MULTIMODAL_CLASSES)
@@ -257,7 +309,7 @@ def _reinit_(model, seed: int) -> None:
                 p.copy_(0.1 * noise)
             elif "norm" in module:
                 p.copy_(1.0 + 0.1 * noise)  # norm gains (incl. qwen3 q_norm/k_norm)
-            elif "tower" in name or "projector" in name:
+            elif "tower" in name or "projector" in name or "visual" in name:
                 # Encoder towers get a milder scale: their features feed the LM, which
                 # the 0.5 scale already makes decisive.
                 p.copy_(0.1 * noise)
@@ -277,15 +329,21 @@ def _set_tied(kind: str, config, tie_word_embeddings: bool) -> None:
 
 
 def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0,
-                      tie_word_embeddings: bool | None = None) -> pathlib.Path:
+                      tie_word_embeddings: bool | None = None,
+                      num_hidden_layers: int | None = None) -> pathlib.Path:
     """Write a tiny random ``kind`` checkpoint (``"llama"``, ``"qwen2"`` or ``"qwen3"``)
     with its tokenizer (and image processor / feature extractor for the multimodal kinds
-    ``"llava"``, ``"llava-siglip"``, ``"qwen2-audio"``) to ``out_dir``; returns it as a Path.
+    ``"llava"``, ``"llava-siglip"``, ``"qwen2-audio"``, ``"qwen2.5-vl"``) to ``out_dir``; returns
+    it as a Path. ``"qwen2.5-vl"``: a Qwen2.5-VL (window-attention vision tower with patch
+    merger, M-RoPE LM) whose tokenizer adds :data:`QWEN_VL_TOKENS` and a Qwen2-VL chat
+    template, with transformers' ``Qwen2VLImageProcessorPil`` (dynamic resolution between
+    :data:`QWEN_VL_MIN_PIXELS` and :data:`QWEN_VL_MAX_PIXELS`); epd's engine does not serve it yet.
 
     ``tie_word_embeddings``: None keeps the family's own setting (tied: llama, qwen3,
     llava; untied: qwen2, llava-siglip, qwen2-audio); True/False sets the LM's (the
     text config's) flag. transformers then decides what the flag does: a tied
     ``qwen2-audio`` still gets its own random ``lm_head`` (its class ties nothing).
+    ``num_hidden_layers``: the LM's layer count (None: 2), e.g. more KV bytes per token.
     """
     if kind not in _CONFIGS:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {', '.join(TINY_KINDS)}")
@@ -295,9 +353,17 @@ def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0,
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
+    if kind == "qwen2.5-vl":
+        tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})
+        tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
     config = _CONFIGS[kind](tokenizer)
     if tie_word_embeddings is not None:
         _set_tied(kind, config, tie_word_embeddings)
+    if num_hidden_layers is not None:
+        text = config.get_text_config()
+        text.num_hidden_layers = num_hidden_layers
+        if getattr(text, "layer_types", None) is not None:
+            text.layer_types = [text.layer_types[0]] * num_hidden_layers
     config.dtype = torch.float32
     torch.manual_seed(seed)
     if kind in _MULTIMODAL_CLASSES:

@@ -6,7 +6,9 @@ touched (when it did not finish) and forgets it. Its stages:
 
 - **encode** (requests with media items, and transcriptions): one encode
   worker turns the items into embeddings (or transcripts), kept there for the
-  prefill side to pull over NIXL.
+  prefill side to pull over NIXL; a long video may be split in chunks of
+  temporal patches over several encoders (``epd.router.encode_split``), and
+  the prefill side then reads from each.
 - **disaggregated** (prefill and decode pools): ``ReserveKV`` on a decode
   worker, then ``PrefillRequest`` on a prefill worker, which computes the
   prompt and writes its KV straight into the reserved blocks; ``PrefillDone``
@@ -26,11 +28,15 @@ pool's routing policy (``epd.router.policies``) and is counted.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
+
+import msgspec
 
 from epd.messages import (Abort, AudioChunk, EmbeddingRef, EncodeDone, EncodeRequest, GenerateRequest, KVReserved,
                           PrefillDone, PrefillRequest, ReserveKV, SynthesizeRequest, TokenOutput)
 from epd.roles import Role
+from epd.router.encode_split import plan_encode
 from epd.router.mailbox import Mailbox
 from epd.router.policies import NoInstanceError, RoutingPolicy
 from epd.router.registry import PoolRegistry, WorkerHandle
@@ -52,8 +58,9 @@ class Pipeline:
 
     def __init__(self, registry: PoolRegistry, mailbox: Mailbox, policies: dict[str, RoutingPolicy],
                  states: RequestStates, metrics: Callable[[], object], *, stage_timeout_s: float,
-                 token_timeout_s: float) -> None:
+                 token_timeout_s: float, video_encode_split: str = "auto") -> None:
         self.registry = registry
+        self.video_encode_split = video_encode_split
         self.mailbox = mailbox
         self.policies = policies
         self.states = states
@@ -131,20 +138,61 @@ class Pipeline:
     # ---- stages ---------------------------------------------------------------------
     async def encode(self, req: RouterRequest, avoid: set[str] | frozenset = frozenset()
                      ) -> tuple[str | None, list[EmbeddingRef], list[str]]:
-        """The encode stage: (encode instance, embedding refs, transcripts); nothing to
-        do for a request without media items."""
+        """The encode stage: (the policy's encode instance, embedding refs in item order,
+        transcripts); nothing to do for a request without media items.
+
+        The items go to the policy's pick, except the chunks of a long video split across
+        the pool (``epd.router.encode_split``); every instance sent a share is touched (it
+        gets ``Abort``) and watched, and each ref names the instance holding it.
+
+        Raises:
+            RequestError: a worker's failure, the deadline (``stage_timeout_s`` for all
+                the shares), a watched encoder's death (retryable: the next attempt avoids
+                it), or an EncodeDone that is not one ref per item sent (500).
+        """
         if not req.items:
             return None, [], []
         rid = req.request_id
         self._enter(rid, RequestState.ENCODE)
         e = self._touch(rid, Role.ENCODE, req, avoid)
-        e.inflight += 1
+        alive = self.registry.routable(Role.ENCODE)
+        candidates = [w.instance_id for w in alive if w.instance_id not in avoid] or [e.instance_id]
+        shares = plan_encode(list(req.items), e.instance_id, candidates, self.video_encode_split)
+        workers = {sh.instance_id: self.registry.get(sh.instance_id) for sh in shares}
+        for inst, w in workers.items():
+            if w is not e:
+                self.touched[rid].add(inst)
+                self._metrics().routing_decisions.labels(pool=Role.ENCODE, instance=inst, policy="video-split").inc()
+        pending = dict(workers)
+        for w in pending.values():
+            w.inflight += 1
         try:
-            e.send(EncodeRequest(rid, list(req.items)))
-            done = await self.mailbox.expect(rid, (EncodeDone,), self.stage_timeout_s, "encode", watch=(e,))
+            for sh in shares:
+                ranges = sh.temporal_ranges if any(r is not None for r in sh.temporal_ranges) else []
+                workers[sh.instance_id].send(EncodeRequest(rid, sh.items, ranges))
+            dones: dict[str, EncodeDone] = {}
+            deadline = time.monotonic() + self.stage_timeout_s
+            while pending:
+                done = await self.mailbox.expect(rid, (EncodeDone,), max(0.0, deadline - time.monotonic()),
+                                                 "encode", watch=tuple(pending.values()))
+                if done.instance_id in pending:
+                    dones[done.instance_id] = done
+                    del pending[done.instance_id]
         finally:
-            e.inflight -= 1
-        return e.instance_id, list(done.embeddings), list(done.transcripts)
+            for w in workers.values():
+                w.inflight -= 1
+        refs: dict[tuple[int, int], EmbeddingRef] = {}
+        for sh in shares:
+            done = dones[sh.instance_id]
+            if len(done.embeddings) != len(sh.items) and not done.transcripts:
+                raise RequestError(f"{sh.instance_id} sent {len(done.embeddings)} embeddings for "
+                                   f"{len(sh.items)} items", status=500, instance=sh.instance_id)
+            for slot, ref, rng in zip(sh.slots, done.embeddings, sh.temporal_ranges):
+                refs[slot] = msgspec.structs.replace(ref, instance_id=sh.instance_id, temporal_range=rng)
+        # transcripts come from the pick (audio is never split); with more encoders than a
+        # video's temporal patches the pick may have had no chunk of it
+        transcripts = dones[e.instance_id].transcripts if e.instance_id in dones else []
+        return e.instance_id, [refs[k] for k in sorted(refs)], list(transcripts)
 
     async def synthesize(self, rid: str, text: str, voice: str, avoid: set[str] | frozenset = frozenset()
                          ) -> AsyncIterator[bytes]:

@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from epd.cluster_auth import ClusterKeys
+from epd.kernels.kv_quant import KV_QUANT
 from epd.messages import (Draining, Heartbeat, Message, PeerGone, PeerInfo, Registered, RegistrationRefused,
                           RouterPing, WorkerReady, encode)
 from epd.roles import Role
@@ -112,9 +113,14 @@ class PoolRegistry:
         other = next((w for w in self.workers.values() if w.info.kv_layout is not None
                       and w.instance_id != info.instance_id), None)
         if info.kv_layout is not None and other is not None and other.info.kv_layout.dtype != info.kv_layout.dtype:
-            self._refuse(info, f"its KV cache is {info.kv_layout.dtype}, but worker {other.instance_id}'s is "
-                               f"{other.info.kv_layout.dtype}: KV moves between prefill and decode byte for byte, "
-                               f"so start every prefill and decode worker with the same --dtype", permanent=True)
+            mine, theirs = info.kv_layout.dtype, other.info.kv_layout.dtype
+            # a quantized cache's layout dtype is its kind ("int8", "fp8_e4m3"): the flag that differs
+            # is --kv-cache-dtype (with "auto" the cache follows --dtype)
+            flags = ("--kv-cache-dtype (and, with --kv-cache-dtype auto, --dtype)"
+                     if mine in KV_QUANT or theirs in KV_QUANT else "--dtype")
+            self._refuse(info, f"its KV cache is {mine}, but worker {other.instance_id}'s is {theirs}: KV moves "
+                               f"between prefill and decode byte for byte, so start every prefill and decode worker "
+                               f"with the same {flags}", permanent=True)
             return None
         old = self.workers.get(info.instance_id)
         if old is not None and info.incarnation and old.info.incarnation == info.incarnation:

@@ -39,6 +39,7 @@ from epd.cluster_auth import ClusterKeys
 from epd.messages import (ROUTER_PING_S, ROUTER_TIMEOUT_S, Draining, Heartbeat, KVEvents, Shutdown, StatsRequest,
                           WorkerReady, WorkerStats)
 from epd.roles import Role
+from epd.router.encode_split import VIDEO_ENCODE_SPLITS
 from epd.router.kv_index import KVIndex
 from epd.router.mailbox import Mailbox
 from epd.router.pipeline import Pipeline
@@ -67,6 +68,9 @@ class Router:
             (``epd.router.policies.POLICIES``; None: the pool's default, media-affinity /
             kv / free-kv); the aggregated ``pd`` pool follows ``prefill_routing``.
         kv_overlap_weight: weight of the blocks still to prefill in the kv policy's cost.
+        video_encode_split: "auto" (a long Qwen-VL video is encoded in chunks of temporal
+            patches over the encode pool's live instances, ``epd.router.encode_split``) or
+            "off" (a request's items all go to one encoder).
         keys: the cluster's CURVE keys (``epd.cluster_auth``): every socket authenticated
             and encrypted. None: no authentication, which only a loopback ``host`` allows.
         model: ``epd.model_files.model_fingerprint`` of the served checkpoint: a worker
@@ -80,10 +84,13 @@ class Router:
                  token_timeout_s: float = 120.0, heartbeat_timeout_s: float = 2.0, max_retries: int = 2,
                  kv_failure_policy: str = "retry", encode_routing: str | None = None,
                  prefill_routing: str | None = None, decode_routing: str | None = None,
-                 kv_overlap_weight: float = 1.0, keys: ClusterKeys | None = None, model: str = "") -> None:
+                 kv_overlap_weight: float = 1.0, keys: ClusterKeys | None = None, model: str = "",
+                 video_encode_split: str = "auto") -> None:
         from epd.cluster_auth import require_keys
 
         check_policy(max_retries, kv_failure_policy)
+        if video_encode_split not in VIDEO_ENCODE_SPLITS:
+            raise ValueError(f"video_encode_split must be one of {VIDEO_ENCODE_SPLITS}, got {video_encode_split!r}")
         require_keys(host, keys, "router's control socket", "--router-host")
         self._metrics = None
         self.epoch = secrets.randbits(63) or 1  # this router process; workers re-join a new one
@@ -102,7 +109,8 @@ class Router:
         self.states = RequestStates(lambda: self.metrics)
         self.state_counts = self.states.outcomes  # requests finished in this process, by outcome
         self.pipeline = Pipeline(self.registry, self.mailbox, self.policies, self.states, lambda: self.metrics,
-                                 stage_timeout_s=stage_timeout_s, token_timeout_s=token_timeout_s)
+                                 stage_timeout_s=stage_timeout_s, token_timeout_s=token_timeout_s,
+                                 video_encode_split=video_encode_split)
         self.recovery = Recovery(self.pipeline, self._count, max_retries=max_retries,
                                  kv_failure_policy=kv_failure_policy)
         self._stats_waiters: dict[int, tuple[asyncio.Future, dict, int]] = {}

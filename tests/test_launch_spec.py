@@ -163,3 +163,57 @@ def test_launch_refuses_bad_engine_settings_before_starting_workers():
     assert args == ["--max-prefill-tokens-with-decodes", "0", "--dtype", "float32", "--compile",
                     "--cuda-graph-sizes", "1,2,4"]
     assert LaunchConfig().forwarded_worker_args() == []
+
+
+@pytest.mark.parametrize("gb", [0.0, -1.0, float("nan"), float("inf")])
+def test_launch_refuses_a_kv_cache_size_that_is_not_positive(gb, capsys):
+    """`--kv-cache-memory-gb 0` / `-1` fails `epd launch` at once with a message naming the flag's
+    field (like `--kv-staging-mb 0`), not "worker died during start-up" in every worker it starts."""
+    from epd.cli import main
+    from epd.launch_config import LaunchConfig
+
+    with pytest.raises(LaunchSpecError, match="kv_cache_memory_gb must be a finite number > 0"):
+        LaunchConfig(kv_cache_memory_gb=gb)
+    assert main(["launch", "--pools", "p:1,d:1", "--kv-cache-memory-gb", str(gb)]) == 2
+    err = capsys.readouterr().err
+    assert "kv_cache_memory_gb must be a finite number > 0" in err and "died" not in err
+    assert LaunchConfig(kv_cache_memory_gb=0.25).forwarded_worker_args() == ["--kv-cache-memory-gb", "0.25"]
+
+
+@pytest.mark.parametrize("field", ["num_kv_blocks", "max_model_len"])
+def test_launch_refuses_a_block_count_or_model_length_below_one(field):
+    from epd.launch_config import LaunchConfig
+
+    with pytest.raises(LaunchSpecError, match=f"{field} must be >= 1, got 0"):
+        LaunchConfig(**{field: 0})
+
+
+def test_launch_refuses_a_staging_pool_smaller_than_one_block(tmp_path, monkeypatch, capsys):
+    """With heterogeneous TP, a --kv-staging-mb that holds no staging block (8-layer tiny Llama,
+    blocks of 1024 tokens: 2 MiB each) fails `epd launch` at once with the size to use; one that
+    holds a few blocks warns that max_model_len is lowered. No worker is started either way."""
+    import epd.api.serve
+    from epd.cli import main
+    from epd.tiny import create_tiny_model
+
+    calls = []
+    monkeypatch.setattr(epd.api.serve, "serve", lambda *a, **k: calls.append(k["worker_args"]))
+    monkeypatch.setattr("asyncio.run", lambda coro: 0)
+    path = str(create_tiny_model("llama", tmp_path / "llama8", num_hidden_layers=8))
+    base = ["launch", "--model", path, "--pools", "p:2,d:1", "--tp", "p:2,d:1", "--port", "0"]
+    assert main([*base, "--kv-staging-mb", "1", "--block-size", "1024", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-staging-mb 1 holds no KV staging block" in err and "2.00 MiB" in err, err
+    assert "use --kv-staging-mb 2 or more" in err and not calls
+    assert main([*base, "--kv-staging-mb", "1", "--block-size", "8", "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err
+    assert "holds 64 staging blocks = 512 tokens < max_model_len 2048: max_model_len lowered to 512" in err, err
+    assert "--kv-staging-mb" in calls[0]
+    # `epd worker --kv-staging-mb` (workers joining `epd serve`) refuses it too, not one block over budget
+    from epd.config import ConfigError, EngineConfig
+    from epd.workers.engine_worker import EngineWorker
+
+    with pytest.raises(ConfigError, match="--kv-staging-mb 1 holds no KV staging block.*use --kv-staging-mb 2"):
+        EngineWorker.staging_blocks(EngineConfig(path, block_size=1024, dtype="float32"), 1)
+    assert EngineWorker.staging_blocks(EngineConfig(path, block_size=8, dtype="float32"), 1) == 64
+    assert EngineWorker.staging_blocks(EngineConfig(path, block_size=8, dtype="float32"), 0) == 0

@@ -141,3 +141,36 @@ def test_tensor_blob_is_the_wire_form_of_a_tensor():
     item = MediaItem("image", "h", {"x": t})
     blob = msgspec.msgpack.decode(encode(EncodeRequest("r", [item])))["items"][0]["data"]["x"]
     assert blob == msgspec.msgpack.decode(msgspec.msgpack.encode(TensorBlob.from_tensor(t)))
+
+
+def test_typed_view_checks_what_a_peer_claims_about_raw_bytes():
+    """Embeddings read over NIXL are raw bytes in a buffer; the header came from another process."""
+    from epd.messages import typed_view
+
+    raw = torch.arange(6, dtype=torch.float32).view(torch.uint8)
+    t = typed_view(raw, "float32", [2, 3])
+    assert torch.equal(t, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert t.data_ptr() == raw.data_ptr()  # a view: the caller decides where to copy it
+    for dtype, shape in (("float32", [2, 2]), ("float32", [7]), ("float64", [3]), ("object", [6]),
+                         (None, [6]), ("float32", [-2, -3]), ("float32", [2.0, 3])):
+        with pytest.raises(MessageError):
+            typed_view(raw, dtype, shape)
+
+
+def test_video_chunk_ranges_and_ref_instances_round_trip():
+    """A chunk's temporal range (EncodeRequest, EmbeddingRef) and the instance holding a ref
+    survive the wire; a range that is not two integers is refused on decode."""
+    from epd.messages import EmbeddingRef, EncodeDone
+
+    item = MediaItem("video", "ab" * 32, {"video_grid_thw": torch.tensor([4, 2, 2])}, 4)
+    req = decode(encode(EncodeRequest("r", [item, item], [(0, 2), None])))
+    assert req.temporal_ranges == [(0, 2), None]
+    ref = EmbeddingRef("ab" * 32, (64, 128, 0), [2, 16], "float32", "encode-1", (2, 4))
+    assert decode(encode(EncodeDone("r", "encode-1", [ref]))).embeddings == [ref]
+    assert decode(encode(EncodeRequest("r", [item]))).temporal_ranges == []  # older senders: every item whole
+    raw = msgspec.msgpack.encode({"type": "encode", "request_id": "r", "items": [], "temporal_ranges": [[0, 1, 2]]})
+    with pytest.raises(MessageError):
+        decode(raw)
+    raw = msgspec.msgpack.encode({"type": "encode", "request_id": "r", "items": [], "temporal_ranges": [["0", 1]]})
+    with pytest.raises(MessageError):
+        decode(raw)

@@ -3,7 +3,9 @@
 Shared by ``/v1/chat/completions`` (``ChatPromptRenderer``) and ``/v1/realtime``
 (``template_takes_parts`` / ``flatten`` / ``LiteralText``). Content parts become HF-style
 ``{"type": "image"}`` / ``{"type": "audio"}`` entries when the model's template
-renders them; otherwise each media item becomes its placeholder text inline.
+renders them; otherwise each media item becomes its placeholder text inline. A video
+for a model that takes video as images (LLaVA) becomes its sampled frames, one image
+part each, decoded here (``epd.encoders.video``) before the template runs.
 
 Media slots come only from real media parts: a placeholder string a client types
 (``"<image>"`` in a message) is plain text, tokenized as such (``LiteralText``), as
@@ -21,7 +23,7 @@ from typing import Any
 
 from epd.api.cpu_pool import CpuPool, shared_pool
 from epd.api.media_fetch import MediaFetcher
-from epd.api.protocol import BadRequest, ChatRequest, ImagePart, TextPart
+from epd.api.protocol import BadRequest, ChatRequest, ImagePart, TextPart, VideoPart
 from epd.api.tool_parsers import PARSERS, detect_parser
 from epd.api.tools import ToolPlan, apply_template, template_message, template_renders_tools
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
@@ -47,15 +49,14 @@ def template_takes_parts(tokenizer, image_tok: str | None, audio_tok: str | None
     return all(out.count(t) == 1 for t in (image_tok, audio_tok) if t)
 
 
-def flatten(parts: list[dict], image_tok: str | None, audio_tok: str, structured: bool) -> str | list[dict]:
+def flatten(parts: list[dict], image_tok: str | None, audio_tok: str, structured: bool,
+            video_tok: str | None = None) -> str | list[dict]:
     """A message's content parts as the template wants them: the HF list, or one
     string with each media item's placeholder text where it stood."""
     if structured and any(p["type"] != "text" for p in parts):
         return parts
-    out = []
-    for p in parts:
-        out.append(p["text"] if p["type"] == "text" else image_tok if p["type"] == "image" else audio_tok)
-    return "".join(out)
+    slot = {"image": image_tok, "audio": audio_tok, "video": video_tok}
+    return "".join(p["text"] if p["type"] == "text" else slot[p["type"]] for p in parts)
 
 
 class LiteralText:
@@ -136,19 +137,24 @@ class ChatPromptRenderer:
                           if "image" in processor.placeholder_ids else None)
         self.audio_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["audio"])
                           if "audio" in processor.placeholder_ids else AUDIO_PLACEHOLDER)
+        self.video_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["video"])
+                          if "video" in processor.placeholder_ids else None)
         self.structured = template_takes_parts(tokenizer, self.image_tok,
                                                self.audio_tok if "audio" in processor.placeholder_ids else None)
         self.literal = LiteralText(tokenizer, processor.placeholder_ids)
 
-    async def load_image(self, url: str, param: str) -> bytes:
-        """An image_url's bytes: a data: URL, or an http(s) URL on the allowed media domains."""
+    async def load_image(self, url: str, param: str, modality: str = "image") -> bytes:
+        """An image_url's (or video_url's) bytes: a data: URL, or an http(s) URL on the allowed
+        media domains."""
         if url.startswith("data:"):
             return decode_b64(url, param)
         if url.startswith(("http://", "https://")):
-            return await asyncio.to_thread(self.fetcher.fetch, url, "image")
-        raise BadRequest("image_url.url must be a data: URL or an http(s) URL on the allowed media domains", param)
+            return await asyncio.to_thread(self.fetcher.fetch, url, modality)
+        raise BadRequest(f"{modality}_url.url must be a data: URL or an http(s) URL on the allowed media domains",
+                         param)
 
-    async def _parts(self, content: list, param: str, images: list, audios: list) -> list[dict]:
+    async def _parts(self, content: list, param: str, images: list, audios: list, videos: list,
+                     sampling=None) -> list[dict]:
         """One message's content parts as HF-style dicts; its media go to ``images`` / ``audios``."""
         processor = self.processor
         parts: list[dict] = []
@@ -160,12 +166,25 @@ class ChatPromptRenderer:
                     raise BadRequest("this model does not accept images", param)
                 images.append(await self.load_image(p.image_url.url, param))
                 parts.append({"type": "image"})
+            elif isinstance(p, VideoPart):
+                mode = processor.modalities.get("video")
+                if mode not in ("frames", "embed"):
+                    raise BadRequest("this model does not accept video", param)
+                data = await self.load_image(p.video_url.url, param, "video")
+                if mode == "frames":  # LLaVA: the sampled frames as images
+                    frames = await self.cpu.run(processor.video_frames, data, sampling)
+                    images.extend(frames)
+                    parts.extend({"type": "image"} for _ in frames)
+                else:  # Qwen-VL: one video item of temporal patches, decoded by the processor
+                    videos.append((data, sampling or processor.video_sampling()))
+                    parts.append({"type": "video"})
             else:
                 if "audio" not in processor.modalities:
                     raise BadRequest("this model does not accept audio", param)
                 audios.append(decode_b64(p.input_audio.data, param))
                 parts.append({"type": "audio"})
-            if len(images) + len(audios) > processor.max_items_per_prompt:
+            if (sum(1 for i in images if getattr(i, "index", 0) == 0) + len(audios) + len(videos)
+                    > processor.max_items_per_prompt):
                 raise BadRequest(f"at most {processor.max_items_per_prompt} media items per request", param)
         return parts
 
@@ -186,16 +205,22 @@ class ChatPromptRenderer:
             CapacityError: the CPU pool is full.
         """
         processor, literal = self.processor, self.literal
-        images, audios, msgs = [], [], []
+        images, audios, videos, msgs = [], [], [], []
+        video_kwargs = body.media_io_kwargs.video if body.media_io_kwargs and body.media_io_kwargs.video else None
+        sampling = None
+        if video_kwargs is not None and "video" in processor.modalities:
+            sampling = processor.video_sampling(video_kwargs.fps, video_kwargs.num_frames)
         for i, m in enumerate(body.messages):
             if not isinstance(m.content, list):
                 msgs.append(template_message(m, literal.escape(m.content or "")))
                 continue
             msgs.append(template_message(m, await self._parts(m.content, f"messages.{i}.content", images,
-                                                              audios)))
+                                                              audios, videos, sampling)))
         mm: dict[str, Any] = {}
         if images:
             mm["image"] = images
+        if videos:
+            mm["video"] = videos
         if audios and processor.modalities.get("audio") == "transcribe":
             items = await self.cpu.run(lambda: [processor.audio_item(a) for a in audios])
             texts = iter(await self.router.transcribe(rid, items))
@@ -207,7 +232,8 @@ class ChatPromptRenderer:
             mm["audio"] = audios
         for msg in msgs:
             if isinstance(msg["content"], list):
-                msg["content"] = flatten(msg["content"], self.image_tok, self.audio_tok, self.structured)
+                msg["content"] = flatten(msg["content"], self.image_tok, self.audio_tok, self.structured,
+                                         self.video_tok)
         return await self.cpu.run(self._template, msgs, plan), mm
 
     def _template(self, msgs: list[dict], plan: ToolPlan | None = None) -> list[int]:

@@ -28,6 +28,10 @@ class ImageURL(_Body):
     detail: str | None = None
 
 
+class VideoURL(_Body):
+    url: str
+
+
 class InputAudio(_Body):
     data: str
     format: Literal["wav", "mp3"]
@@ -48,7 +52,29 @@ class AudioPart(_Body):
     input_audio: InputAudio
 
 
-ContentPart = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+class VideoPart(_Body):
+    """``{"type": "video_url", "video_url": {"url": ...}}`` (vLLM's and SGLang's extension)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
+
+
+class VideoIOKwargs(_Body):
+    """How a request's videos are sampled: ``fps`` (frames per second of video; default
+    ``--video-fps``) and ``num_frames`` (at most this many per video; at most, and by
+    default, ``--max-video-frames``)."""
+
+    fps: float | None = Field(None, gt=0.0, le=1000.0)
+    num_frames: int | None = Field(None, ge=1)
+
+
+class MediaIOKwargs(_Body):
+    """vLLM's ``media_io_kwargs`` request field; only ``video`` is read."""
+
+    video: VideoIOKwargs | None = None
 
 
 class FunctionCall(_Body):
@@ -175,6 +201,7 @@ class ChatRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    media_io_kwargs: MediaIOKwargs | None = None
 
 
 #: deepest nesting of lists and objects a request may hold (a JSON schema in

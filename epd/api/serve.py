@@ -101,6 +101,7 @@ async def serve(config: LaunchConfig, model_dir: Path, t0: float, *, plan=None, 
     from epd import metrics
     from epd.api.app import build_app
     from epd.cluster_auth import load_keys
+    from epd.encoders.media import MediaLimits
     from epd.encoders.processor import MultiModalProcessor
     from epd.model_files import model_fingerprint
     from epd.router.router import Router
@@ -118,7 +119,8 @@ async def serve(config: LaunchConfig, model_dir: Path, t0: float, *, plan=None, 
                         token_timeout_s=config.token_timeout, max_retries=config.max_retries,
                         kv_failure_policy=config.kv_failure_policy, encode_routing=config.encode_routing,
                         prefill_routing=config.prefill_routing, decode_routing=config.decode_routing,
-                        kv_overlap_weight=config.kv_overlap_weight, keys=keys, model=model_fingerprint(model_dir))
+                        kv_overlap_weight=config.kv_overlap_weight, keys=keys, model=model_fingerprint(model_dir),
+                        video_encode_split=config.video_encode_split)
         await router.start()
         launcher = None
         try:
@@ -139,7 +141,9 @@ async def serve(config: LaunchConfig, model_dir: Path, t0: float, *, plan=None, 
                 router.min_pools = dict(min_pools or {})
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
             hf_config = AutoConfig.from_pretrained(str(model_dir))
-            processor = MultiModalProcessor(str(model_dir), hf_config)
+            processor = MultiModalProcessor(str(model_dir), hf_config, video_fps=config.video_fps,
+                                            limits=MediaLimits(max_video_frames=config.max_video_frames,
+                                                               max_video_seconds=config.max_video_seconds))
             text_cfg = hf_config.get_text_config()
             max_model_len = config.max_model_len or text_cfg.max_position_embeddings
             if plan is not None:

@@ -177,7 +177,7 @@ def _add_routes(app: FastAPI, service: CompletionService, router: Router, state:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        """OpenAI chat completions with text, image_url and input_audio content parts."""
+        """OpenAI chat completions with text, image_url, input_audio and video_url content parts."""
         return await service.handle(request, body, chat=True)
 
     @app.get("/v1/models")

@@ -2,8 +2,10 @@
 
 Rank 0 lives in the engine's process; ranks 1..tp-1 are spawned processes
 running ``tp_worker_main``. Each step rank 0 broadcasts the step's
-``StepInput`` as msgpack bytes over the gloo/nccl group (no pickle), and
-every rank runs the same forward; logits are gathered on rank 0.
+``StepInput`` as msgpack bytes over the gloo/nccl group (no pickle): the step's
+sequences, input ids and block-table changes, which every rank applies to its own
+persistent block table (``epd.engine.block_table``) before laying the step out. Every
+rank runs the same forward; logits are gathered on rank 0.
 Source: nano-vllm ``ModelRunner``, vLLM v1 ``gpu_model_runner.py``.
 """
 
@@ -23,12 +25,15 @@ import torch
 import torch.distributed as dist
 
 from epd.config import EngineConfig
+from epd.engine.layer_gate import LayerGate
 from epd.engine.scheduler import SchedulerOutput
-from epd.engine.step_input import StepInput, build_step_input
+from epd.engine.block_table import BlockTables
+from epd.engine.step_input import StepInput, step_layout
 from epd.kernels.kv_staging import pack_kv, staging_shape, unpack_kv
 from epd.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from epd.models import get_model_class
 from epd.models.loader import load_weights
+from epd.transfer.rank_agent import KVPlan, KVPoll, KVRelease, RankKVWriter, RankPeers
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +79,12 @@ class KVConnectorHooks(Protocol):
 
 
 _CODEC_ENCODER = msgspec.msgpack.Encoder()
-_CODEC_DECODER = msgspec.msgpack.Decoder(StepInput | KVUnpack | Shutdown)
+_CODEC_DECODER = msgspec.msgpack.Decoder(StepInput | KVUnpack | Shutdown | KVPlan | KVPoll | KVRelease | RankPeers)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of TP rank ``rank``: the CPU, or ``cuda:<rank>`` (one GPU per rank)."""
+    return torch.device(config.device if config.device == "cpu" else f"cuda:{rank}")
 
 
 class ModelRunner:
@@ -84,14 +94,21 @@ class ModelRunner:
     model's dtype; or, quantized (``kv_cache_dtype``), uint8 rows of ``head_dim + scale_bytes(head_dim)`` bytes.
     ``staging``: the instance's staging pool (``epd.transfer.staging``), mapped by
     every rank, or None when the instance moves KV block to block only.
+    ``kv_agents``: "rank0" (that shared pool, moved by rank 0's agent) or "per-rank"
+    (``staging`` is this rank's private pool of its own KV heads, and ``kv_writer``,
+    set once this rank's NIXL agent exists, posts its writes: ``epd.transfer.rank_agent``).
     """
 
     def __init__(self, config: EngineConfig, rank: int = 0, dist_port: int | None = None,
-                 staging=None) -> None:
+                 staging=None, kv_agents: str = "rank0") -> None:
         self.config = config
         self.rank = rank
         self.staging = staging
-        self.device = torch.device(config.device if config.device == "cpu" else f"cuda:{rank}")
+        self.kv_agents = kv_agents
+        self.kv_writer: RankKVWriter | None = None
+        self.rank_requests = 0  # NIXL requests posted by ranks 1.. (per-rank agents; as of the last poll_kv)
+        self.device = rank_device(config, rank)
+        self.layer_gate = LayerGate(self.device)  # per-layer KV sends wait for the layer's kernels (GPU)
         tp = config.tensor_parallel_size
         if tp > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -110,6 +127,8 @@ class ModelRunner:
             torch.set_default_dtype(prev)
         load_weights(self.model, config.model)
         self.in_step = False
+        # This rank's copy of the persistent block table (rows given by rank 0's InputBatch).
+        self.tables = BlockTables(config.max_num_seqs, -(-config.max_model_len // config.block_size))
         self.num_blocks = config.resolve_num_kv_blocks()
         shape = (hf.num_hidden_layers, self.num_blocks, config.block_size, config.num_kv_heads // tp,
                  config.kv_row_elems)
@@ -165,6 +184,43 @@ class ModelRunner:
             dist.barrier()
         self.in_step = False
 
+    # ---- rank 0: per-rank agents (epd.transfer.rank_agent) ------------------
+    def set_kv_plan(self, plan: KVPlan) -> None:
+        """Give every rank the next step's per-rank KV writes (call before ``execute``)."""
+        if self.config.tensor_parallel_size > 1:
+            _broadcast_message(plan)
+        self.kv_writer.set_plan(plan)
+
+    def poll_kv(self, request_ids: list[str]) -> list[int]:
+        """The state of each request's writes over every rank (``WRITE_DONE`` <
+        ``WRITE_PENDING`` < ``WRITE_FAILED``: the worst rank's); updates ``rank_requests``."""
+        mine = [self.kv_writer.state(r) for r in request_ids]
+        tp = self.config.tensor_parallel_size
+        if tp == 1:
+            return mine
+        self.in_step = True
+        _broadcast_message(KVPoll(list(request_ids)))
+        got = _gather_states(torch.tensor([*mine, 0], dtype=torch.long), tp)
+        self.in_step = False
+        self.rank_requests = int(got[1:, -1].sum())
+        return [int(v) for v in got[:, :-1].max(dim=0).values]
+
+    def release_kv(self, request_ids: list[str]) -> None:
+        """Release (cancel) the requests' writes on every rank."""
+        if self.config.tensor_parallel_size > 1:
+            _broadcast_message(KVRelease(list(request_ids)))
+        self.kv_writer.release(list(request_ids))
+
+    def add_rank_peers(self, msg: RankPeers) -> None:
+        """Load peer agents into ranks 1.. (rank 0's agent loads its own)."""
+        if self.config.tensor_parallel_size > 1:
+            _broadcast_message(msg)
+
+    def gather_rank_kv(self, mine: bytes) -> list[bytes]:
+        """Every rank's encoded ``epd.messages.RankKV`` (a collective: each rank calls it once
+        at start, after creating its agent), in rank order."""
+        return _all_gather_bytes(mine, self.config.tensor_parallel_size)
+
     def shutdown(self) -> bool:
         """Tell the other TP ranks to exit. Returns False when they cannot be told
         (a step was interrupted, so they wait in a collective): kill them instead."""
@@ -177,12 +233,32 @@ class ModelRunner:
 
     # ---- every rank ---------------------------------------------------
     def _staged(self, layer: int, start: int, n: int, src_tp: int) -> torch.Tensor:
+        """The shared pool's region [src_tp, 2, n, block_size, heads / src_tp, row] of every rank."""
         view = self.staging.view(layer, start, n)
         return view.view(staging_shape(src_tp, n, self.config.block_size, self.config.num_kv_heads,
                                        self.config.kv_row_elems))
 
+    def _own_staged(self, layer: int, start: int, n: int, parts: int) -> torch.Tensor:
+        """Per-rank agents: this rank's region [parts, 2, n, block_size, heads_of_rank / parts, row]."""
+        view = self.staging.view(layer, start, n)
+        return view.view(staging_shape(parts, n, self.config.block_size, self.k_cache.shape[3],
+                                       self.config.kv_row_elems))
+
     def _pack(self, layer: int, packs: list[tuple[int, list[int]]]) -> None:
         tp = self.config.tensor_parallel_size
+        if self.kv_agents == "per-rank":
+            parts_of = self.kv_writer.packs()
+            for start, ids in packs:
+                parts = parts_of[start]
+                out = self._own_staged(layer, start, len(ids), parts)
+                hp = self.k_cache.shape[3] // parts
+                ids_t = torch.tensor(ids, device=self.device)
+                for j in range(parts):  # part j: heads [j * hp, (j + 1) * hp) of this rank
+                    k, v = self.k_cache[layer], self.v_cache[layer]
+                    if parts > 1:
+                        k, v = k[:, :, j * hp:(j + 1) * hp], v[:, :, j * hp:(j + 1) * hp]
+                    pack_kv(k, v, ids_t, out[j])
+            return
         for start, ids in packs:
             part = self._staged(layer, start, len(ids), tp)[self.rank]
             pack_kv(self.k_cache[layer], self.v_cache[layer], torch.tensor(ids, device=self.device), part)
@@ -191,9 +267,14 @@ class ModelRunner:
     def _unpack(self, msg: KVUnpack) -> None:
         ids = torch.tensor(msg.block_ids, device=self.device)
         heads = self.k_cache.shape[3]
+        tp = self.config.tensor_parallel_size
         for layer in range(self.k_cache.shape[0]):
-            src = self._staged(layer, msg.staging_block, len(msg.block_ids), msg.src_tp)
-            unpack_kv(src, self.k_cache[layer], self.v_cache[layer], ids, self.rank * heads)
+            if self.kv_agents == "per-rank":  # this rank's heads only, in src_tp / tp parts (or one)
+                src = self._own_staged(layer, msg.staging_block, len(msg.block_ids), max(1, msg.src_tp // tp))
+                unpack_kv(src, self.k_cache[layer], self.v_cache[layer], ids, 0)
+            else:
+                src = self._staged(layer, msg.staging_block, len(msg.block_ids), msg.src_tp)
+                unpack_kv(src, self.k_cache[layer], self.v_cache[layer], ids, self.rank * heads)
 
     def _layer_hook(self, step: StepInput, user: Callable[[int], None] | None) -> Callable[[int], None] | None:
         """Per-layer work of this rank: pack (every rank), then the rank-0 hook
@@ -202,15 +283,22 @@ class ModelRunner:
         if not packs and user is None:
             return None
         deferred = self.config.tensor_parallel_size > 1
+        writer = self.kv_writer if self.kv_agents == "per-rank" and packs else None
+        gate = self.layer_gate
 
-        def hook(layer: int) -> None:
-            if packs:
-                self._pack(layer, packs)
+        def send(layer: int) -> None:
+            if writer is not None:  # this rank's own part, as soon as it is packed
+                writer.write_layer(layer)
             if user is not None:
                 if not deferred:
                     user(layer)
                 elif layer > 0:
                     user(layer - 1)
+
+        def hook(layer: int) -> None:
+            if packs:
+                self._pack(layer, packs)
+            gate.push(layer, send)  # on a GPU: once the layer's store and pack have run
 
         return hook
 
@@ -218,9 +306,11 @@ class ModelRunner:
     def _run(self, step: StepInput, mm_embeds: torch.Tensor | None = None,
              layer_hook: Callable[[int], None] | None = None) -> torch.Tensor | None:
         dev = self.device
-        if self.graphs is not None and layer_hook is None and self.graphs.eligible(step):
-            return self._logits(step, self.graphs.run(step))
-        input_ids = step.tokens().to(dev)
+        self.tables.apply(step.table_update)
+        lay = step_layout(step, self.tables, self.config.block_size)
+        if self.graphs is not None and layer_hook is None and self.graphs.eligible(lay, step):
+            return self._logits(step, self.graphs.run(lay))
+        input_ids = lay.input_ids.to(dev)
         inputs_embeds = None
         if step.mm_rows:
             inputs_embeds = self.model.embed_input_ids(input_ids)
@@ -229,19 +319,23 @@ class ModelRunner:
             for dst, n in step.mm_rows:
                 inputs_embeds[dst:dst + n] = mm_embeds[src:src + n]
                 src += n
-        positions = step.token_positions().to(dev)
-        nd = step.num_decode_tokens
+        nd = lay.num_decode_tokens
         md = AttentionMetadata(
-            slot_mapping=step.slots().to(dev),
+            slot_mapping=lay.slot_mapping.to(dev),
             num_decode_tokens=nd,
-            decode_block_tables=step.block_tables().to(dev) if nd else None,
-            decode_context_lens=step.context_lens().to(dev) if nd else None,
-            prefills=[PrefillChunk(q0, n, ctx, torch.tensor(bt, dtype=torch.int32, device=dev))
-                      for q0, n, ctx, bt in step.prefills],
+            decode_block_tables=lay.decode_block_tables.to(dev) if nd else None,
+            decode_context_lens=lay.decode_context_lens.to(dev) if nd else None,
+            prefills=[PrefillChunk(q0, n, ctx, bt.to(dev)) for q0, n, ctx, bt in lay.prefills],
             layer_hook=self._layer_hook(step, layer_hook),
         )
-        with set_attention_metadata(md):
-            hidden = self.forward(input_ids, positions, inputs_embeds)
+        try:
+            with set_attention_metadata(md):
+                hidden = self.forward(input_ids, lay.positions.to(dev), inputs_embeds)
+            self.layer_gate.flush()
+        finally:
+            self.layer_gate.discard()  # a failed forward posts none of its remaining sends
+            if self.kv_writer is not None:
+                self.kv_writer.end_step()
         if layer_hook is not None and self.config.tensor_parallel_size > 1:
             layer_hook(self.k_cache.shape[0] - 1)
         return self._logits(step, hidden)
@@ -255,7 +349,29 @@ class ModelRunner:
         return None if logits is None else logits.cpu()
 
 
-def _broadcast_message(msg: StepInput | Shutdown) -> None:
+def _all_gather_bytes(payload: bytes, world: int) -> list[bytes]:
+    """Every rank's ``payload`` (a collective over the TP group), in rank order."""
+    if world == 1:
+        return [payload]
+    size = torch.tensor([len(payload)], dtype=torch.long)
+    sizes = [torch.empty(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    n = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(n, dtype=torch.uint8)
+    buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else buf[:0]
+    bufs = [torch.empty(n, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, buf)
+    return [b[:int(s.item())].numpy().tobytes() for b, s in zip(bufs, sizes)]
+
+
+def _gather_states(mine: torch.Tensor, world: int) -> torch.Tensor:
+    """[world, len(mine)] int64 of every rank's ``mine`` (a collective; rank 0's answer)."""
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return torch.stack(out)
+
+
+def _broadcast_message(msg) -> None:
     payload = _CODEC_ENCODER.encode(msg)
     size = torch.tensor([len(payload)], dtype=torch.long)
     dist.broadcast(size, src=0)
@@ -279,7 +395,7 @@ def free_port() -> int:
 def engine_config_to_json(config: EngineConfig) -> str:
     """The constructor arguments of ``config`` as JSON, for spawning TP ranks."""
     fields = ("model", "tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens",
-              "max_prefill_tokens_with_decodes", "max_model_len", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_gb",
+              "max_prefill_tokens_with_decodes", "target_step_ms", "max_model_len", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_gb",
               "dtype", "kv_cache_dtype", "device", "seed", "compile", "enforce_eager", "cuda_graph_sizes")
     return json.dumps({f: getattr(config, f) for f in fields})
 
@@ -300,11 +416,15 @@ def _die_with_parent() -> None:
 
 
 def tp_worker_main(config_json: str, rank: int, dist_port: int, threads: int | None = None,
-                   staging_args: tuple | None = None) -> None:
+                   staging_args: tuple | None = None, kv_agent: str | None = None) -> None:
     """Entry point of TP rank ``rank`` > 0: serve steps until Shutdown.
 
     ``staging_args``: ``(num_layers, num_blocks, block_elems, shm_path)`` of rank 0's
-    staging pool, mapped here (see ``epd.transfer.staging``)."""
+    staging pool, mapped here (see ``epd.transfer.staging``); ``shm_path`` None: a
+    private pool of this rank's heads (per-rank agents).
+    ``kv_agent``: with per-rank agents, the instance id: this rank creates its NIXL agent
+    (``epd.transfer.rank_agent.rank_agent_name``), registers its KV cache and staging
+    pool, and sends its ``RankKV`` to rank 0."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     if threads:
@@ -315,8 +435,24 @@ def tp_worker_main(config_json: str, rank: int, dist_port: int, threads: int | N
         from epd.transfer.staging import StagingPool
 
         layers, blocks, elems, path = staging_args
-        staging = StagingPool(layers, blocks, elems, config.kv_storage_dtype, shm_path=path, create=False)
-    runner = ModelRunner(config, rank, dist_port, staging)
+        staging = StagingPool(layers, blocks, elems, config.kv_storage_dtype, shm_path=path, create=False,
+                              device=rank_device(config, rank))
+    runner = ModelRunner(config, rank, dist_port, staging, "per-rank" if kv_agent else "rank0")
+    transport = None
+    if kv_agent is not None:
+        from epd.messages import RankKV
+        from epd.transfer.nixl_transport import NixlTransport, layer_regions
+        from epd.transfer.rank_agent import rank_agent_name
+
+        # A progress thread (1 ms sleep): this process blocks in the TP group between steps, while
+        # UCX needs the target of a write to progress, and this rank's writes may outlive its step.
+        transport = NixlTransport(rank_agent_name(kv_agent, rank), progress_thread_us=1000)
+        tensors = [runner.k_cache, runner.v_cache] + ([staging.buffer] if staging is not None else [])
+        transport.register(tensors)
+        info = RankKV(transport.name, transport.metadata(), layer_regions(runner.k_cache),
+                      layer_regions(runner.v_cache), staging.layer_regions() if staging is not None else [])
+        runner.kv_writer = RankKVWriter(transport, rank, staging)
+        runner.gather_rank_kv(msgspec.msgpack.encode(info))
     while True:
         msg = _receive_message()
         if isinstance(msg, Shutdown):
@@ -325,11 +461,27 @@ def tp_worker_main(config_json: str, rank: int, dist_port: int, threads: int | N
             runner._unpack(msg)
             dist.barrier()
             continue
+        if isinstance(msg, KVPlan):
+            runner.kv_writer.set_plan(msg)
+            continue
+        if isinstance(msg, KVPoll):
+            states = [runner.kv_writer.state(r) for r in msg.request_ids]
+            _gather_states(torch.tensor([*states, transport.num_requests], dtype=torch.long),
+                           config.tensor_parallel_size)
+            continue
+        if isinstance(msg, KVRelease):
+            runner.kv_writer.release(msg.request_ids)
+            continue
+        if isinstance(msg, RankPeers):
+            runner.kv_writer.add_peers(msg)
+            continue
         mm_embeds = None
         if msg.mm_rows:
             rows = sum(n for _, n in msg.mm_rows)
             mm_embeds = torch.empty(rows, config.text_config.hidden_size, dtype=config.torch_dtype)
             dist.broadcast(mm_embeds, src=0)
         runner._run(msg, mm_embeds)
+    if transport is not None:
+        transport.close()
     dist.destroy_process_group()
     os._exit(0)

@@ -58,3 +58,41 @@ class RotaryEmbedding(nn.Module):
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal RoPE (Qwen2-VL / Qwen2.5-VL): each of the head_dim / 2 rotary frequencies
+    follows one of three position rows, by ``mrope_section`` (e.g. [16, 24, 24]: the first 16
+    frequencies time, the next 24 height, the last 24 width; both rotate-half halves alike).
+
+    positions: [3, num_tokens] int64 (rows time, height, width; ``epd.models.mrope``) or
+    [num_tokens] (all three rows equal, as for text and every decoded token: then the same
+    as :class:`RotaryEmbedding`); q / k as there. cos/sin are computed per step from the
+    positions (fp32), not looked up in a table: a video's time ids may run past the
+    context length (sparse samples of a long video), and must not index out of a table.
+    Source: transformers ``Qwen2_5_VLRotaryEmbedding`` (its ``mrope_section`` split).
+
+    Raises:
+        ValueError: ``mrope_section`` does not sum to head_dim / 2, or a rope_type other than default.
+    """
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int,
+                 mrope_section: list[int]) -> None:
+        super().__init__()
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
+        rope_type = _rope_parameters(config).get("rope_type", "default")
+        if rope_type not in ("default", "mrope"):
+            raise ValueError(f"M-RoPE with rope_type {rope_type!r} is not supported")
+        self.register_buffer("inv_freq", default_inv_freq(config, head_dim), persistent=False)
+        row = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(mrope_section)])
+        self.register_buffer("row", row, persistent=False)  # [head_dim / 2]: each frequency's position row
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        pos = positions if positions.dim() == 2 else positions.unsqueeze(0).expand(3, -1)
+        freqs = pos.to(torch.float32)[..., None] * self.inv_freq  # [3, T, head_dim / 2]
+        freqs = freqs.gather(0, self.row.view(1, 1, -1).expand(1, pos.shape[1], -1))[0]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, head_dim]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        rot = RotaryEmbedding._rotate_half
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin

@@ -23,10 +23,12 @@ MODEL_REGISTRY = {
 # them (and LlavaConfig raises its flag to the text config's True);
 # Qwen2AudioForConditionalGeneration has none and keeps its own ``lm_head`` whatever
 # its text config says. tests/engine/test_tied_embeddings.py checks this table.
-_MULTIMODAL_TIES = {"LlavaForConditionalGeneration": True, "Qwen2AudioForConditionalGeneration": False}
+_MULTIMODAL_TIES = {"LlavaForConditionalGeneration": True, "Qwen2AudioForConditionalGeneration": False,
+                    "Qwen2_5_VLForConditionalGeneration": True}
 MULTIMODAL_ARCHITECTURES = tuple(_MULTIMODAL_TIES)
+# (Qwen2.5-VL's LM is Qwen2's with M-RoPE, which LlamaAttention picks from ``mrope_section``.)
 _TEXT_MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
-                     "qwen3": Qwen3ForCausalLM}
+                     "qwen3": Qwen3ForCausalLM, "qwen2_5_vl_text": Qwen2ForCausalLM}
 
 
 def get_model_class(config: PretrainedConfig):

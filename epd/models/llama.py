@@ -17,7 +17,7 @@ from epd.layers.attention import Attention
 from epd.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from epd.layers.layernorm import RMSNorm
 from epd.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from epd.layers.rotary import RotaryEmbedding
+from epd.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -34,7 +34,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           total_kv, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, max_positions)
+        mrope = (getattr(config, "rope_parameters", None) or {}).get("mrope_section")
+        # Qwen2-VL / Qwen2.5-VL text models: positions [3, num_tokens] (epd.models.mrope)
+        self.rotary_emb = (MRotaryEmbedding(config, self.head_dim, max_positions, list(mrope)) if mrope
+                           else RotaryEmbedding(config, self.head_dim, max_positions))
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

@@ -20,7 +20,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 _LM_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                 ("language_model.lm_head.", "lm_head."))
 _TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.", "audio_tower.", "model.audio_tower.",
-                   "multi_modal_projector.", "model.multi_modal_projector.")
+                   "multi_modal_projector.", "model.multi_modal_projector.", "visual.", "model.visual.")
 
 
 def lm_checkpoint_name(name: str) -> str | None:

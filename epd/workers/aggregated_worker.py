@@ -20,7 +20,8 @@ class AggregatedWorker(EngineWorker):
         if not isinstance(msg, GenerateRequest):
             return super().handle_role(msg)
         try:
-            embeddings = self.fetch_embeddings(msg.request_id, msg.encode_instance, list(msg.embeddings))
+            embeddings = self.fetch_embeddings(msg.request_id, msg.encode_instance, list(msg.embeddings),
+                                              list(msg.placeholders))
             kw = {}
             if msg.placeholders:
                 kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}

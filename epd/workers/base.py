@@ -71,6 +71,7 @@ class WorkerArgs:
     kv_timeout_s: float = 30.0
     embedding_buffer_mb: int = 256
     kv_staging_mb: int = 0  # staging pool for heterogeneous-TP KV transfers (0: none)
+    kv_agents: str = "rank0"  # "rank0" | "per-rank": NIXL agents of a TP instance (epd.transfer.rank_agent)
     keys: ClusterKeys | None = None  # CURVE keys of the cluster (None: no authentication, loopback only)
     http_port: int = 0  # /health and /metrics on host:http_port (0: none)
     drain_timeout_s: float = 30.0  # SIGTERM: seconds to finish what the worker holds
@@ -267,6 +268,7 @@ class BaseWorker:
                     self.transport.remove_peer(msg.instance_id)
                     self.peer_gone(old.instance_id, old.pid)  # a restart replaced that process
                 self.transport.add_peer(msg.nixl_metadata, msg.regions)
+                self.peer_added(msg)
             self.peers[msg.instance_id] = msg
         elif isinstance(msg, PeerGone):
             self.peer_gone(msg.instance_id, msg.pid)
@@ -323,6 +325,9 @@ class BaseWorker:
                                 retryable=isinstance(exc, (TransferError, CapacityError)), kind=kind,
                                 status=error_status(exc)))
 
+    def peer_added(self, msg: PeerInfo) -> None:
+        """A new peer (or a restarted one) was loaded into this worker's agent."""
+
     def peer_gone(self, instance_id: str, pid: int) -> None:
         """The process ``pid`` of peer ``instance_id`` exited (nothing it sent can still land)."""
 
@@ -368,8 +373,8 @@ class BaseWorker:
             m.running_requests.labels(**self.labels).set(stats.get("num_running", 0))
             m.queued_prompt_tokens.labels(**self.labels).set(stats.get("num_queued_prompt_tokens", 0))
             self.count_total("preemptions", stats.get("num_preemptions", 0))
-            self.count_total("prefix_cache_queries_tokens", stats.get("prefix_cache_queries", 0))
-            self.count_total("prefix_cache_hits_tokens", stats.get("prefix_cache_hits", 0))
+            self.count_total("prefix_cache_queries_tokens", stats.get("prefix_cache_query_tokens", 0))
+            self.count_total("prefix_cache_hits_tokens", stats.get("prefix_cache_hit_tokens", 0))
 
     def load(self) -> Heartbeat:
         s = self.stats()

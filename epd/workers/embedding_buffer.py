@@ -11,6 +11,7 @@ import time
 import torch
 
 from epd.errors import CapacityError
+from epd.transfer.nixl_transport import device_code
 
 
 class BufferFullError(CapacityError):
@@ -28,10 +29,13 @@ class EmbeddingBuffer:
 
     ALIGN = 64
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.tensor = torch.zeros(capacity_bytes, dtype=torch.uint8)
+    def __init__(self, capacity_bytes: int, device: str | torch.device = "cpu") -> None:
+        """``device``: where the buffer lives ("cpu", or a worker's "cuda:i": registered
+        as VRAM, so embeddings move GPU to GPU)."""
+        self.tensor = torch.zeros(capacity_bytes, dtype=torch.uint8, device=device)
         self.capacity = capacity_bytes
         self.addr = self.tensor.data_ptr()
+        self.device_code = device_code(self.tensor)  # the region device field (epd.transfer.nixl_transport)
         self._slots: dict[int, tuple[int, str, float]] = {}  # offset -> (size, owner, time)
 
     @property
@@ -53,6 +57,10 @@ class EmbeddingBuffer:
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.tensor[offset:offset + nbytes]
+
+    def region(self, offset: int, nbytes: int) -> tuple[int, int, int]:
+        """``(addr, nbytes, device)`` of a slot's span for NIXL."""
+        return (self.addr + offset, nbytes, self.device_code)
 
     def free(self, owner: str) -> int:
         """Free every slot of ``owner``; returns how many."""

@@ -25,7 +25,9 @@ EMBEDDING_TTL_S = 120.0
 class EncodeWorker(BaseWorker):
     """EncodeRequest -> embeddings copied into the registered buffer -> EncodeDone
     with their regions (or transcripts, for text-only LMs). The prefill worker
-    reads them and notifies ``ReleaseEmbeddings``; Abort and a TTL free them too."""
+    reads them and notifies ``ReleaseEmbeddings``; Abort and a TTL free them too.
+    An item with a temporal range is a chunk of a long video split across encoders
+    (``epd.router.encode_split``): only its temporal patches are encoded."""
 
     role = Role.ENCODE
 
@@ -34,9 +36,10 @@ class EncodeWorker(BaseWorker):
         path = resolve_model(args.model)
         self.runner = EncoderRunner(str(path), AutoConfig.from_pretrained(str(path)),
                                     audio_mode=args.engine_kwargs.get("audio_mode", "auto"))
-        self.buffer = EmbeddingBuffer(args.embedding_buffer_mb * 2**20)
+        self.buffer = EmbeddingBuffer(args.embedding_buffer_mb * 2**20, device=self.runner.device)
         self.regions = self.transport.register([self.buffer.tensor])
         self.num_encoded = 0
+        self.num_video_chunks = 0  # video chunks (temporal ranges) encoded or found in the cache
         self.queue: deque[tuple[EncodeRequest, float]] = deque()  # (request, arrival), in arrival order
         self.announce(self.regions)
 
@@ -59,16 +62,19 @@ class EncodeWorker(BaseWorker):
                 self.send(EncodeDone(rid, self.instance_id, transcripts=self.runner.transcribe(items),
                                      encode_s=time.monotonic() - t0))
                 return
-            embs = self.runner.encode(items)
+            ranges = list(msg.temporal_ranges) or [None] * len(items)
+            embs = self.runner.encode(items, ranges)  # checks the ranges (MessageError)
             refs = []
-            for it, emb in zip(items, embs):
+            for it, emb, rng in zip(items, embs, ranges):
                 emb = emb.contiguous()
                 raw = emb.view(-1).view(torch.uint8)
                 off = self.buffer.alloc(rid, raw.numel())
                 self.buffer.view(off, raw.numel()).copy_(raw)
-                refs.append(EmbeddingRef(it.item_hash, (self.buffer.addr + off, raw.numel(), 0), list(emb.shape),
-                                         str(emb.dtype).removeprefix("torch.")))
+                refs.append(EmbeddingRef(it.item_hash, self.buffer.region(off, raw.numel()), list(emb.shape),
+                                         str(emb.dtype).removeprefix("torch."), self.instance_id,
+                                         None if rng is None else tuple(rng)))
             self.num_encoded += len(items)
+            self.num_video_chunks += sum(r is not None for r in ranges)
         except Exception as e:  # noqa: BLE001 - every failure is reported, saying who failed
             self.buffer.free(rid)
             self.fail(rid, e, prefix="encode failed: ")
@@ -99,9 +105,11 @@ class EncodeWorker(BaseWorker):
         self.metrics.queue_depth.labels(**self.labels).set(stats["num_waiting"])
         self.count_total("encoder_cache_queries", stats["encoder_cache_hits"] + stats["encoder_cache_misses"])
         self.count_total("encoder_cache_hits", stats["encoder_cache_hits"])
+        self.count_total("encode_video_chunks", stats["num_video_chunks"])
 
     def stats(self) -> dict[str, float]:
         c = self.runner.cache
         return {"embedding_buffer_used_bytes": self.buffer.used_bytes, "num_held_requests": len(self.buffer.owners()),
                 "num_waiting": len(self.queue),
-                "encoder_cache_hits": c.hits, "encoder_cache_misses": c.misses, "num_encoded": self.num_encoded}
+                "encoder_cache_hits": c.hits, "encoder_cache_misses": c.misses, "num_encoded": self.num_encoded,
+                "num_video_chunks": self.num_video_chunks}

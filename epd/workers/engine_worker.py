@@ -9,14 +9,17 @@ import torch
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
-from epd.messages import (EmbeddingRef, ReleaseEmbeddings, RequestFailed, TensorBlob, TokenLogprob,
-                          TokenOutput, encode)
+from epd.messages import (EmbeddingRef, ReleaseEmbeddings, RequestFailed, TokenLogprob,
+                          TokenOutput, encode, typed_view)
 from epd.messages import Heartbeat, KVEvents
 from epd.model_files import resolve_model
+from epd.multimodal import Placeholder
 from epd.roles import Role
 from epd.transfer.kv_connector import kv_layout
+from epd.transfer.nixl_transport import layer_regions
 from epd.workers.base import BaseWorker, WorkerArgs
 from epd.workers.embedding_buffer import EmbeddingBuffer
+from epd.workers.embedding_chunks import join_chunks
 
 
 class EngineWorker(BaseWorker):
@@ -29,17 +32,30 @@ class EngineWorker(BaseWorker):
         config = EngineConfig(str(path), tensor_parallel_size=args.tp, **args.engine_kwargs)
         # TP ranks 1.. are spawned by the engine (they die with this process); the staging
         # pool (heterogeneous TP) is shared memory mapped by every rank.
+        # With per-rank agents (--kv-agents per-rank) every rank has its own staging pool and
+        # NIXL agent instead (epd.transfer.rank_agent).
+        self.per_rank = args.kv_agents == "per-rank"
         self.engine = LLMEngine(config, threads=args.threads,
-                                kv_staging_blocks=self.staging_blocks(config, args.kv_staging_mb))
+                                kv_staging_blocks=self.staging_blocks(config, args.kv_staging_mb),
+                                kv_agents=args.kv_agents, instance_id=self.instance_id)
         runner = self.engine.runner
         self.staging = self.engine.staging
-        self.recv_buffer = EmbeddingBuffer(args.embedding_buffer_mb * 2**20)
+        self.recv_buffer = EmbeddingBuffer(args.embedding_buffer_mb * 2**20, device=runner.device)
         tensors = [runner.k_cache, runner.v_cache, self.recv_buffer.tensor]
         if self.staging is not None:
-            tensors.append(self.staging.buffer)  # rank 0's agent registers every rank's staging part
+            tensors.append(self.staging.buffer)  # rank0: every rank's part; per-rank: rank 0's own
         regions = self.transport.register(tensors)
+        ranks = None
+        if self.per_rank:
+            from epd.messages import RankKV
+            from epd.transfer.rank_agent import RankKVWriter
+
+            runner.kv_writer = RankKVWriter(self.transport, 0, self.staging)
+            ranks = [RankKV(self.instance_id, b"", layer_regions(runner.k_cache), layer_regions(runner.v_cache),
+                            self.staging.layer_regions() if self.staging is not None else []),
+                     *self.engine.rank_kv]
         self.kv_layout = kv_layout(runner.k_cache, runner.v_cache, config.block_size, args.tp, self.staging,
-                                   config.kv_quant)
+                                   config.kv_quant, args.kv_agents, ranks)
         self.regions = regions
         # Prefill / aggregated instances report their prefix cache for KV-aware routing.
         if self.role in (Role.PREFILL, Role.PD) and args.rank == 0:
@@ -47,13 +63,22 @@ class EngineWorker(BaseWorker):
 
     @staticmethod
     def staging_blocks(config: EngineConfig, staging_mb: int) -> int:
-        """Staging blocks (one block of K and V of every KV head, all layers) in ``staging_mb`` MiB."""
+        """Staging blocks (one block of K and V of every KV head, all layers) in ``staging_mb`` MiB.
+
+        Raises:
+            ConfigError: ``staging_mb`` > 0 holds no block (`epd launch` refuses it first).
+        """
         if staging_mb <= 0:
             return 0
         elem = torch.tensor([], dtype=config.kv_storage_dtype).element_size()
         per_block = (config.text_config.num_hidden_layers * 2 * config.block_size * config.num_kv_heads
                      * config.kv_row_elems * elem)
-        return max(1, staging_mb * 2**20 // per_block)
+        if staging_mb * 2**20 < per_block:
+            from epd.config import ConfigError
+
+            raise ConfigError(f"--kv-staging-mb {staging_mb} holds no KV staging block: one block is "
+                              f"{per_block / 2**20:.2f} MiB; use --kv-staging-mb {-(-per_block // 2**20)} or more")
+        return staging_mb * 2**20 // per_block
 
     def send_kv_events(self) -> None:
         """Send the prefix cache's net changes since the last report as one ``KVEvents``
@@ -67,38 +92,72 @@ class EngineWorker(BaseWorker):
         if dead:  # the instance cannot step without them: exit, so the launcher sees it die
             raise RuntimeError(f"{self.instance_id}: TP rank(s) {dead} died")
         self.send_kv_events()
-        self.count_total("kv_transfer_requests", self.transport.num_requests)
+        self.count_total("kv_transfer_requests", self.kv_requests())
         return super().load()
 
-    def fetch_embeddings(self, request_id: str, encode_instance: str | None,
-                         refs: list[EmbeddingRef]) -> list[torch.Tensor]:
-        """Read each referenced embedding from the encode worker over NIXL (one
-        read request), then tell it to release them. Returns [rows, hidden] tensors.
+    def kv_requests(self) -> int:
+        """NIXL requests this instance posted: rank 0's agent, plus its other ranks' (per-rank agents)."""
+        return self.transport.num_requests + self.engine.runner.rank_requests
+
+    def peer_added(self, msg) -> None:
+        """Per-rank agents: a prefill instance's ranks write to every rank of a decode
+        instance, so each of its agents loads the decode instance's rank agents."""
+        layout = msg.kv_layout
+        if not (self.per_rank and self.role == Role.PREFILL and layout is not None
+                and layout.kv_agents == "per-rank" and layout.ranks):
+            return
+        from epd.transfer.rank_agent import RankPeer, RankPeers
+
+        peers = [RankPeer(rk.agent, rk.nixl_metadata or msg.nixl_metadata,
+                          [*rk.k_regions, *rk.v_regions, *rk.staging_regions]) for rk in layout.ranks]
+        for p in peers[1:]:  # rank 0's agent already holds the instance's own (rank 0) agent
+            self.transport.add_peer(p.nixl_metadata, p.regions)
+        self.engine.runner.add_rank_peers(RankPeers(peers))
+
+    def fetch_embeddings(self, request_id: str, encode_instance: str | None, refs: list[EmbeddingRef],
+                         placeholders: list[Placeholder] | None = None) -> list[torch.Tensor]:
+        """Read the referenced embeddings over NIXL, one read request per encode instance
+        (a ref's ``instance_id``, else ``encode_instance``), each telling its instance to
+        release them once done; all reads are posted before the first wait. Returns one
+        ``[rows, hidden]`` tensor per item: the chunks of a video split across encoders
+        concatenated in temporal order, checked against ``placeholders`` when given
+        (``epd.workers.embedding_chunks.join_chunks``).
 
         Raises:
-            TransferError / TransferTimeout: the read failed or passed its deadline.
-            KeyError: unknown encode instance.
+            TransferError / TransferTimeout: a read failed or passed its deadline (the
+                other reads are waited for or cancelled before the buffer is freed).
+            KeyError: an unknown encode instance (nothing is read).
+            MessageError: a ref's dtype / shape does not match its bytes.
+            EmbeddingChunkError: the items do not fit ``placeholders``.
         """
         if not refs:
             return []
-        peer = self.peers[encode_instance]
-        local, offsets = [], []
+        by_instance: dict[str, list[int]] = {}
+        for k, ref in enumerate(refs):
+            by_instance.setdefault(ref.instance_id or encode_instance, []).append(k)
+        peers = {inst: self.peers[inst] for inst in by_instance}  # KeyError before anything is posted
+        offsets = [0] * len(refs)
+        xfers = []
         try:
-            for ref in refs:
-                off = self.recv_buffer.alloc(request_id, ref.region[1])
-                offsets.append(off)
-                local.append((self.recv_buffer.addr + off, ref.region[1], 0))
-            xfer = self.transport.read(peer.instance_id, local, [r.region for r in refs],
-                                       notif=encode(ReleaseEmbeddings(request_id)))
+            for inst, ks in by_instance.items():
+                local = []
+                for k in ks:
+                    offsets[k] = self.recv_buffer.alloc(request_id, refs[k].region[1])
+                    local.append(self.recv_buffer.region(offsets[k], refs[k].region[1]))
+                xfers.append(self.transport.read(peers[inst].instance_id, local, [refs[k].region for k in ks],
+                                                 notif=encode(ReleaseEmbeddings(request_id))))
             t0 = time.monotonic()
-            xfer.wait(self.args.kv_timeout_s)
+            deadline = t0 + self.args.kv_timeout_s
+            for xfer in xfers:
+                xfer.wait(max(0.0, deadline - time.monotonic()))
             self.observe("embedding_transfer", time.monotonic() - t0)
             out = []
-            for ref, off in zip(refs, offsets):
-                raw = bytes(self.recv_buffer.view(off, ref.region[1]).numpy())
-                out.append(TensorBlob(ref.dtype, list(ref.shape), raw).to_tensor())
-            return out
+            for ref, off in zip(refs, offsets):  # checked as any tensor off the wire, copied out on its device
+                out.append(typed_view(self.recv_buffer.view(off, ref.region[1]), ref.dtype, list(ref.shape)).clone())
+            return join_chunks(refs, out, placeholders or None)
         finally:
+            for xfer in xfers:  # a failed wait left the others running: cancel before the buffer is reused
+                xfer.release()
             self.recv_buffer.free(request_id)
 
     def has_work(self) -> bool:
@@ -129,10 +188,13 @@ class EngineWorker(BaseWorker):
 
     def stats(self) -> dict[str, float]:
         s = self.engine.stats()
-        s["kv_transfer_requests"] = self.transport.num_requests
+        s["kv_transfer_requests"] = self.kv_requests()
         cfg = self.engine.config
         s["kv_block_bytes"] = cfg.kv_bytes_per_block()  # all layers, K and V, this rank
         s["kv_blocks_per_gb"] = 2**30 // cfg.kv_bytes_per_block()
+        # what the blocks hold: "int8" / "fp8_e4m3" (quantized rows) or the model's dtype ("auto")
+        s["kv_cache_dtype"] = (cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto"
+                               else str(cfg.torch_dtype).removeprefix("torch."))
         if self.staging is not None:
             s["num_staging_blocks"] = self.staging.num_blocks
             s["num_free_staging_blocks"] = self.staging.num_free_blocks

@@ -41,7 +41,7 @@ class PrefillWorker(EngineWorker):
         super().__init__(args)
         self.kv = NixlKVSender(self.transport, self.kv_layout, self.peers, self.staging, args.tp, self.instance_id,
                                free_blocks=self.engine.block_manager.free, fenced=self.frozen_since,
-                               timeout_s=args.kv_timeout_s)
+                               timeout_s=args.kv_timeout_s, runner=self.engine.runner)
         self.engine.kv_connector = self.kv
         self.prompts: dict[str, _Prompt] = {}
         self.waiting_staging: deque[tuple[PrefillRequest, float]] = deque()  # staged KV, no staging room yet
@@ -56,7 +56,7 @@ class PrefillWorker(EngineWorker):
             if not self.kv.add(msg, arrival):
                 self.waiting_staging.append((msg, arrival))
                 return
-            embeddings = self.fetch_embeddings(rid, msg.encode_instance, list(msg.embeddings))
+            embeddings = self.fetch_embeddings(rid, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
             # The first token only; decode continues. The copy keeps num_prior_output_tokens: a
             # migrated request's penalties and seeded generator see its earlier output here too.
             params = msgspec.structs.replace(msg.params, max_tokens=1, ignore_eos=True, stop_token_ids=[])
@@ -109,7 +109,7 @@ class PrefillWorker(EngineWorker):
         self.count("kv_transfer_bytes", send.kv_bytes)
         self.send(PrefillDone(send.request_id, self.instance_id, send.first_token, prompt.num_cached_tokens,
                               send.kv_bytes, now - send.send_start, prompt.prefill_s, start - send.arrival,
-                              len(send.transfers), max(0.0, now - prompt.forward_end), send.write_s,
+                              send.num_writes, max(0.0, now - prompt.forward_end), send.write_s,
                               first_logprob=prompt.first_logprob))
 
     def abort(self, request_id: str) -> None:

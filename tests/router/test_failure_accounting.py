@@ -207,3 +207,46 @@ def test_a_worker_with_another_kv_dtype_is_refused_for_good():
             inbox.close(0)
 
     run(body)
+
+
+@pytest.mark.parametrize("prefill_kv,decode_kv", [("int8", "fp8_e4m3"), ("int8", "float32"), ("float32", "int8")])
+def test_a_worker_with_another_kv_cache_dtype_is_refused_naming_the_flag(prefill_kv, decode_kv):
+    """``--kv-cache-dtype`` on one side only, or int8 against fp8_e4m3 (rows of the same
+    length: 16 one-byte values and 4 bytes of scales at head_dim 16, so only the name
+    tells them apart): the decode worker would read the other's bytes as its own
+    format. It is refused permanently, naming --kv-cache-dtype; a worker with the same
+    quantized cache is accepted."""
+    import zmq
+
+    from epd.messages import Registered, RegistrationRefused, decode
+
+    def layout(kind: str) -> KVLayout:
+        return KVLayout(2, 64, BS, 2, 16 if kind == "float32" else 16 + 4, kind, [], [])
+
+    async def body(router: Router) -> None:
+        ctx = zmq.Context.instance()
+        inboxes = [ctx.socket(zmq.PULL) for _ in range(2)]
+        ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in inboxes]
+        try:
+            router._dispatch(WorkerReady("prefill", "prefill-q", 6100, "tcp://127.0.0.1:1", b"", [],
+                                         layout(prefill_kv)))
+            router._dispatch(WorkerReady("decode", "decode-q", 6101, f"tcp://127.0.0.1:{ports[0]}", b"", [],
+                                         layout(decode_kv)))
+            await settle()
+            assert inboxes[0].poll(5000), "no answer to the refused worker"
+            answer = decode(inboxes[0].recv())
+            assert isinstance(answer, RegistrationRefused) and answer.permanent, answer
+            assert prefill_kv in answer.reason and decode_kv in answer.reason and "--kv-cache-dtype" in answer.reason
+            assert "decode-q" not in router.registry.workers and "prefill-q" in router.registry.workers
+            # the same quantized (or full-precision) cache as the prefill worker: registered
+            router._dispatch(WorkerReady("decode", "decode-same", 6102, f"tcp://127.0.0.1:{ports[1]}", b"", [],
+                                         layout(prefill_kv)))
+            await settle()
+            assert inboxes[1].poll(5000), "no answer to the matching worker"
+            assert isinstance(decode(inboxes[1].recv()), Registered)
+            assert "decode-same" in router.registry.workers
+        finally:
+            for s in inboxes:
+                s.close(0)
+
+    run(body)

@@ -249,7 +249,7 @@ def test_every_bad_request_gets_400_with_openai_body(server):
         (user([{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFFjunk").decode(),
                                                        "format": "wav"}}]), "audio"),
         (user([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "flac"}}]), "format"),
-        (user([{"type": "video_url", "video_url": {"url": "x"}}]), "invalid request"),
+        (user([{"type": "video_url", "video_url": {"url": "x"}}]), "video_url.url must be a data: URL"),
         (user([{"type": "image_url", "image_url": {"url": _data_url(_png(0, (4, 4)))}}] * 17), "at most 16"),
         ({"messages": [{"role": "user", "content": "x " * 800}]}, "max_model_len"),
         ({**user("hi"), "max_tokens": MAX_MODEL_LEN}, "max_tokens"),

@@ -143,7 +143,7 @@ def test_quantized_kv_crosses_as_its_bytes_and_decodes_as_offline(llava_dir):
         metrics = httpx.get(server.url + "/metrics").text
         stats = server.workers()
     moved = sum(float(v) for v in re.findall(r'^epd_kv_transfer_bytes_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M))
-    # 2 layers x 6 blocks x 8 tokens x 2 KV heads x (16 int8 values + one 4-byte scale), K and V:
+    # 2 layers x 6 blocks x 8 tokens x 2 KV heads x (16 int8 codes + a float16 scale and min), K and V:
     # 20 bytes a row where fp32 takes 64 (test_kv_bytes_moved_equal_request_kv_size)
     assert moved == 2 * 2 * 6 * 8 * 2 * (16 + 4)
     assert r.choices[0].text == expected

@@ -275,7 +275,7 @@ class TestTextPD:
             for n in (10**7, 9):
                 assert_error(post(server, path, {**body, "n": n}, timeout=60), 400, "at most 8", param)
         after = server.workers()
-        assert after["prefill-0"]["prefix_cache_queries"] == before["prefill-0"]["prefix_cache_queries"]
+        assert after["prefill-0"]["prefix_cache_query_tokens"] == before["prefill-0"]["prefix_cache_query_tokens"]
         assert after["decode-0"]["num_free_blocks"] == before["decode-0"]["num_free_blocks"]
         assert complete(server, "hi", 2, n=8)["usage"]["completion_tokens"] == 16
 
@@ -441,7 +441,7 @@ class TestSmallKV:
         assert_error(rec["invalid"], 400, "exceeds max_model_len", "max_tokens")
         for inst, start in rec["before"].items():
             now = rec["untouched"][inst]
-            for k in ("num_free_blocks", "prefix_cache_queries", "kv_transfer_requests", "num_preemptions"):
+            for k in ("num_free_blocks", "prefix_cache_query_tokens", "kv_transfer_requests", "num_preemptions"):
                 assert now.get(k) == start.get(k), (inst, k, now)
         err = assert_error(rec["prefill_rejected"], 500, "injected internal fault")
         assert err["type"] == "server_error"
@@ -489,7 +489,8 @@ class TestSmallKV:
                                             (limit + 1, 1, "max_model_len is 192", "prompt"),
                                             (limit - 1, 2, "exceeds max_model_len", "max_tokens")):
             assert_error(post(server, "/v1/completions", _body(_ids(2100 + n, n), max_tokens)), 400, match, param)
-        assert server.workers()["prefill-0"]["prefix_cache_queries"] == before["prefill-0"]["prefix_cache_queries"]
+        looked_up = "prefix_cache_query_tokens"
+        assert server.workers()["prefill-0"][looked_up] == before["prefill-0"][looked_up]
         for n, max_tokens in ((limit - 1, 1), (limit - 2, 2)):
             prompt = _ids(2200 + n, n)
             out = complete(server, prompt, max_tokens)
