@@ -341,8 +341,8 @@ class MultiModalProcessor:
             next_item[modality] += 1
             grid = item.data.get("image_grid_thw", item.data.get("video_grid_thw"))
             second = item.data.get("second_per_grid_t")
-            interval = None
-            if second is not None:
+            interval = None  # Qwen2-VL (1.0): time ids step by one temporal patch, whatever the fps
+            if second is not None and self.config.model_type == "qwen2_5_vl":
                 from epd.models.mrope import time_interval  # (epd.models pulls in the LM code)
 
                 interval = time_interval(float(second.reshape(-1)[0]), self.config.vision_config.tokens_per_second)

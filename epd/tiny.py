@@ -248,6 +248,22 @@ def _qwen2_5_vl_config(tokenizer):
                             **ids)
 
 
+def _qwen2_vl_config(tokenizer):
+    from transformers import Qwen2VLConfig
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig
+
+    # Qwen2-VL (1.0): full attention in every vision block, a LayerNorm / quick-GELU tower,
+    # and video time ids that step by one per temporal patch (no tokens_per_second).
+    vcfg = Qwen2VLVisionConfig(depth=2, embed_dim=32, hidden_size=_MODEL_DIMS["hidden_size"], mlp_ratio=2,
+                               num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    text = Qwen2VLTextConfig(**_base_kwargs(tokenizer), tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                              "mrope_section": [2, 3, 3]})
+    ids = {name: tokenizer.convert_tokens_to_ids(t) for name, t in
+           zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), QWEN_VL_TOKENS)}
+    return Qwen2VLConfig(text_config=text.to_dict(), vision_config=vcfg.to_dict(), tie_word_embeddings=False, **ids)
+
+
 #: the tiny Qwen2.5-VL processor's dynamic resolution: images are resized (aspect kept) to
 #: between 4 and 64 merged 8x8-pixel tokens
 QWEN_VL_MIN_PIXELS = 4 * 8 * 8
@@ -265,7 +281,7 @@ def _save_processor(kind: str, config, out: pathlib.Path) -> None:
 
         size = config.vision_config.image_size
         SiglipImageProcessor(size={"height": size, "width": size}).save_pretrained(out)
-    elif kind == "qwen2.5-vl":
+    elif kind in ("qwen2-vl", "qwen2.5-vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         vc = config.vision_config
@@ -286,10 +302,12 @@ _CONFIGS: dict[str, Callable] = {
     "llava": _llava_config,
     "llava-siglip": functools.partial(_llava_config, vision="siglip"),
     "qwen2-audio": _qwen2_audio_config,
+    "qwen2-vl": _qwen2_vl_config,
     "qwen2.5-vl": _qwen2_5_vl_config,
 }
 _MULTIMODAL_CLASSES = {"llava": "LlavaForConditionalGeneration", "llava-siglip": "LlavaForConditionalGeneration",
                        "qwen2-audio": "Qwen2AudioForConditionalGeneration",
+                       "qwen2-vl": "Qwen2VLForConditionalGeneration",
                        "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration"}
 TINY_KINDS = tuple(_CONFIGS)
 TEXT_KINDS = ("llama", "qwen2", "qwen3")
@@ -333,11 +351,12 @@ def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0,
                       num_hidden_layers: int | None = None) -> pathlib.Path:
     """Write a tiny random ``kind`` checkpoint (``"llama"``, ``"qwen2"`` or ``"qwen3"``)
     with its tokenizer (and image processor / feature extractor for the multimodal kinds
-    ``"llava"``, ``"llava-siglip"``, ``"qwen2-audio"``, ``"qwen2.5-vl"``) to ``out_dir``; returns
-    it as a Path. ``"qwen2.5-vl"``: a Qwen2.5-VL (window-attention vision tower with patch
-    merger, M-RoPE LM) whose tokenizer adds :data:`QWEN_VL_TOKENS` and a Qwen2-VL chat
-    template, with transformers' ``Qwen2VLImageProcessorPil`` (dynamic resolution between
-    :data:`QWEN_VL_MIN_PIXELS` and :data:`QWEN_VL_MAX_PIXELS`); epd's engine does not serve it yet.
+    ``"llava"``, ``"llava-siglip"``, ``"qwen2-audio"``, ``"qwen2-vl"``, ``"qwen2.5-vl"``) to
+    ``out_dir``; returns it as a Path. ``"qwen2.5-vl"``: a Qwen2.5-VL (window-attention vision
+    tower with patch merger, M-RoPE LM) whose tokenizer adds :data:`QWEN_VL_TOKENS` and a
+    Qwen2-VL chat template, with transformers' ``Qwen2VLImageProcessorPil`` (dynamic resolution
+    between :data:`QWEN_VL_MIN_PIXELS` and :data:`QWEN_VL_MAX_PIXELS`); ``"qwen2-vl"``: the same
+    for Qwen2-VL (1.0: full-attention vision tower, video time ids one per temporal patch).
 
     ``tie_word_embeddings``: None keeps the family's own setting (tied: llama, qwen3,
     llava; untied: qwen2, llava-siglip, qwen2-audio); True/False sets the LM's (the
@@ -353,7 +372,7 @@ def create_tiny_model(kind: str, out_dir: str | os.PathLike, seed: int = 0,
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
-    if kind == "qwen2.5-vl":
+    if kind in ("qwen2-vl", "qwen2.5-vl"):
         tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})
         tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
     config = _CONFIGS[kind](tokenizer)

@@ -24,11 +24,11 @@ MODEL_REGISTRY = {
 # Qwen2AudioForConditionalGeneration has none and keeps its own ``lm_head`` whatever
 # its text config says. tests/engine/test_tied_embeddings.py checks this table.
 _MULTIMODAL_TIES = {"LlavaForConditionalGeneration": True, "Qwen2AudioForConditionalGeneration": False,
-                    "Qwen2_5_VLForConditionalGeneration": True}
+                    "Qwen2VLForConditionalGeneration": True, "Qwen2_5_VLForConditionalGeneration": True}
 MULTIMODAL_ARCHITECTURES = tuple(_MULTIMODAL_TIES)
-# (Qwen2.5-VL's LM is Qwen2's with M-RoPE, which LlamaAttention picks from ``mrope_section``.)
+# (Qwen2-VL's and Qwen2.5-VL's LMs are Qwen2's with M-RoPE, which LlamaAttention picks from ``mrope_section``.)
 _TEXT_MODEL_TYPES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
-                     "qwen3": Qwen3ForCausalLM, "qwen2_5_vl_text": Qwen2ForCausalLM}
+                     "qwen3": Qwen3ForCausalLM, "qwen2_vl_text": Qwen2ForCausalLM, "qwen2_5_vl_text": Qwen2ForCausalLM}
 
 
 def get_model_class(config: PretrainedConfig):

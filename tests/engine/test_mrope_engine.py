@@ -1,4 +1,4 @@
-"""Qwen2.5-VL through epd's engine (``LLM``, tiny random checkpoint built here): M-RoPE
+"""Qwen2.5-VL and Qwen2-VL through epd's engine (``LLM``, tiny random checkpoint built here): M-RoPE
 positions ride each step (``StepInput.mrope_positions``), so greedy tokens equal
 transformers' ``generate`` for images of different sizes, a video, and text, batched
 together under chunked prefill that splits media spans, and after a resume that puts
@@ -17,9 +17,13 @@ from epd.tiny import create_tiny_model
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    return str(create_tiny_model("qwen2.5-vl", tmp_path_factory.mktemp("mrope") / "qwen2.5-vl"))
+#: tiny kind -> transformers class (Qwen2-VL: no window attention, video time ids one per patch)
+KINDS = {"qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration", "qwen2-vl": "Qwen2VLForConditionalGeneration"}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def qwen_dir(request, tmp_path_factory):
+    return str(create_tiny_model(request.param, tmp_path_factory.mktemp("mrope") / request.param))
 
 
 def _image(seed: int, hw) -> Image.Image:
@@ -48,10 +52,11 @@ def _cases(tok):
 
 
 def _reference(qwen_dir, llm, cases) -> list[list[int]]:
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
-    ref = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.float32).eval()
-    cfg = ref.config
+    cfg = transformers.AutoConfig.from_pretrained(qwen_dir)
+    ref_cls = getattr(transformers, cfg.architectures[0])
+    ref = ref_cls.from_pretrained(qwen_dir, dtype=torch.float32).eval()
     out = []
     for text, mm in cases:
         processed = llm.mm_processor.process(llm.get_tokenizer().encode(text), mm)
@@ -64,8 +69,9 @@ def _reference(qwen_dir, llm, cases) -> list[list[int]]:
                    "image_grid_thw": torch.stack([it.data["image_grid_thw"] for it in images])}
         if videos:
             kw |= {"pixel_values_videos": torch.cat([it.data["pixel_values_videos"] for it in videos]),
-                   "video_grid_thw": torch.stack([it.data["video_grid_thw"] for it in videos]),
-                   "second_per_grid_ts": torch.cat([it.data["second_per_grid_t"] for it in videos])}
+                   "video_grid_thw": torch.stack([it.data["video_grid_thw"] for it in videos])}
+            if cfg.model_type == "qwen2_5_vl":
+                kw["second_per_grid_ts"] = torch.cat([it.data["second_per_grid_t"] for it in videos])
         types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
         with torch.inference_mode():
             g = ref.generate(ids, mm_token_type_ids=types, attention_mask=torch.ones_like(ids),

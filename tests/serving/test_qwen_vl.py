@@ -68,9 +68,9 @@ def qwen_dir(tmp_path_factory):
     return str(create_tiny_model("qwen2.5-vl", tmp_path_factory.mktemp("qsrv") / "qwen2.5-vl"))
 
 
-@pytest.fixture(scope="module")
-def expected(qwen_dir):
-    llm = LLM(qwen_dir, dtype="float32", kv_cache_memory_gb=0.05, video_fps=1.0)
+def _offline(model_dir) -> dict[str, tuple[str, int]]:
+    """The offline engine's greedy answer and prompt length per case."""
+    llm = LLM(model_dir, dtype="float32", kv_cache_memory_gb=0.05, video_fps=1.0)
     tok = llm.get_tokenizer()
     out = {}
     for name, parts in CASES.items():
@@ -83,6 +83,24 @@ def expected(qwen_dir):
         out[name] = (r[0].outputs[0].text, len(r[0].prompt_token_ids))
     llm.shutdown()
     return out
+
+
+@pytest.fixture(scope="module")
+def expected(qwen_dir):
+    return _offline(qwen_dir)
+
+
+def test_qwen2_vl_serving_equals_offline(tmp_path_factory):
+    """Qwen2-VL (1.0; its offline parity with transformers: tests/engine/test_mrope_engine.py)
+    on e:1,p:1,d:1: images and a video, whose time ids step by one per temporal patch."""
+    model = str(create_tiny_model("qwen2-vl", tmp_path_factory.mktemp("q2vl") / "qwen2-vl"))
+    want = _offline(model)
+    with launch(model, "e:1,p:1,d:1", "--block-size", "8", "--num-kv-blocks", "128", "--video-fps", "1") as server:
+        client = server.client()
+        for name, parts in CASES.items():
+            r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": parts}],
+                                               max_tokens=MAX_TOKENS, temperature=0)
+            assert (r.choices[0].message.content, r.usage.prompt_tokens) == want[name], name
 
 
 @pytest.mark.parametrize("pools", ["e:1,pd:1", "e:1,p:1,d:1"])
