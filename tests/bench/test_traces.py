@@ -8,7 +8,7 @@ import pytest
 
 from epd.bench.runner import schedule
 from epd.bench.traces import TraceError, TraceRow, auto_scale, block_tokens, load_trace, scale_trace
-from epd.bench.workloads import WorkloadOptions, build_requests, trace_options
+from epd.bench.workloads import build_requests, trace_options
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
 

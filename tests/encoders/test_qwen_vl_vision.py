@@ -157,7 +157,6 @@ def test_temporal_patches_stack_consecutive_frames(processor):
 
 
 def test_video_prompt_positions_and_tower_equal_transformers(qwen_dir, processor, reference):
-    from epd.encoders.video import VideoSampling
 
     data = _clip(lambda i, h, w: np.random.default_rng(i).integers(0, 256, (h, w, 3), dtype=np.uint8))
     tok = AutoTokenizer.from_pretrained(qwen_dir)

@@ -138,6 +138,37 @@ def test_tp_parity(kind, pools, tp, models, expected):
 
 
 # ---------------------------------------------------------------- transfer counts, leaks, rank death
+def _cancel_at_every_stage_then_check_free(server, before: dict) -> dict:
+    """12 streamed requests cancelled at every stage: half at once (reserve / prefill /
+    transfer), half after their first streamed chunk (decode). Then every staging range is
+    free and every instance has ``before``'s free KV blocks again; returns /epd/workers."""
+
+    async def cancelled(i: int, http: httpx.AsyncClient) -> None:
+        body = {"prompt": list(range(30 + i, 90 + i)), "max_tokens": 200, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        if i % 2:  # cancel at once (reserve / prefill / transfer) ...
+            try:
+                await asyncio.wait_for(http.post(server.url + "/v1/completions", json=body), 0.05 * (i % 5))
+            except asyncio.TimeoutError:
+                pass
+            return
+        async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():  # ... or after the first streamed chunk (decode)
+                if line.strip():
+                    return
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=120) as http:
+            await asyncio.gather(*(cancelled(i, http) for i in range(12)))
+
+    asyncio.run(run())
+    after = _wait_idle(server, before)
+    assert _staging_all_free(after), after
+    for inst in before:
+        assert after[inst]["num_free_blocks"] == before[inst]["num_free_blocks"], (inst, after[inst])
+    return after
+
+
 def test_staged_transfer_counts_leaks_and_rank_death(models, expected):
     """p:2 -> d:1 on tiny Llama, prompts prefilled in 16-token chunks: parity; one NIXL
     write per layer per request whatever the block or chunk count; staging and KV
@@ -167,29 +198,7 @@ def test_staged_transfer_counts_leaks_and_rank_death(models, expected):
             time.sleep(0.2)
         assert total == 5 * NUM_LAYERS
 
-        async def cancelled(i: int, http: httpx.AsyncClient) -> None:
-            body = {"prompt": list(range(30 + i, 90 + i)), "max_tokens": 200, "ignore_eos": True, "stream": True,
-                    "temperature": 0}
-            if i % 2:  # cancel at once (reserve / prefill / transfer) ...
-                try:
-                    await asyncio.wait_for(http.post(server.url + "/v1/completions", json=body), 0.05 * (i % 5))
-                except asyncio.TimeoutError:
-                    pass
-                return
-            async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():  # ... or after the first streamed chunk (decode)
-                    if line.strip():
-                        return
-
-        async def run() -> None:
-            async with httpx.AsyncClient(timeout=120) as http:
-                await asyncio.gather(*(cancelled(i, http) for i in range(12)))
-
-        asyncio.run(run())
-        after = _wait_idle(server, before)
-        assert _staging_all_free(after), after
-        for inst in before:
-            assert after[inst]["num_free_blocks"] == before[inst]["num_free_blocks"], (inst, after[inst])
+        _cancel_at_every_stage_then_check_free(server, before)
         # Still serving, same answer.
         r = client.completions.create(model=server.model, prompt=TEXT_PROMPTS[2], max_tokens=3, temperature=0)
         assert r.choices[0].finish_reason in ("length", "stop")

@@ -9,7 +9,6 @@ migrating to the other instance.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +18,9 @@ import psutil
 import pytest
 
 from tests.serving.conftest import launch
-from tests.serving.test_hetero_tp import (BLOCK, MAX_TOKENS, NUM_LAYERS, TEXT_PROMPTS, _check_parity,
-                                          _staging_all_free, _wait_idle, expected, models)  # noqa: F401 (fixtures)
+from tests.serving.test_hetero_tp import (BLOCK, MAX_TOKENS, NUM_LAYERS, TEXT_PROMPTS,  # noqa: F401 (fixtures)
+                                          _cancel_at_every_stage_then_check_free, _check_parity,
+                                          _staging_all_free, _wait_idle, expected, models)
 
 pytestmark = pytest.mark.slow
 PER_RANK = ("--kv-agents", "per-rank")
@@ -65,30 +65,8 @@ def test_per_rank_cancels_free_staging_and_blocks(models, expected):
         client = server.client()
         client.completions.create(model=server.model, prompt=TEXT_PROMPTS[0], max_tokens=2, temperature=0)
         before = _wait_idle(server, server.workers())
-
-        async def cancelled(i: int, http: httpx.AsyncClient) -> None:
-            body = {"prompt": list(range(30 + i, 90 + i)), "max_tokens": 200, "ignore_eos": True, "stream": True,
-                    "temperature": 0}
-            if i % 2:
-                try:
-                    await asyncio.wait_for(http.post(server.url + "/v1/completions", json=body), 0.05 * (i % 5))
-                except asyncio.TimeoutError:
-                    pass
-                return
-            async with http.stream("POST", server.url + "/v1/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.strip():
-                        return
-
-        async def run() -> None:
-            async with httpx.AsyncClient(timeout=120) as http:
-                await asyncio.gather(*(cancelled(i, http) for i in range(12)))
-
-        asyncio.run(run())
-        after = _wait_idle(server, before)
-        assert _staging_all_free(after), after
+        after = _cancel_at_every_stage_then_check_free(server, before)
         for inst in before:
-            assert after[inst]["num_free_blocks"] == before[inst]["num_free_blocks"], (inst, after[inst])
             assert not after[inst].get("num_held", 0) and not after[inst].get("num_quarantined", 0)
         _check_parity(server, expected["llama"][0], None)
 

@@ -68,7 +68,7 @@ def qwen_dir(tmp_path_factory):
     return str(create_tiny_model("qwen2.5-vl", tmp_path_factory.mktemp("qsrv") / "qwen2.5-vl"))
 
 
-def _offline(model_dir) -> dict[str, tuple[str, int]]:
+def _offline(model_dir, max_tokens: int = MAX_TOKENS, ignore_eos: bool = False) -> dict[str, tuple[str, int]]:
     """The offline engine's greedy answer and prompt length per case."""
     llm = LLM(model_dir, dtype="float32", kv_cache_memory_gb=0.05, video_fps=1.0)
     tok = llm.get_tokenizer()
@@ -79,10 +79,18 @@ def _offline(model_dir) -> dict[str, tuple[str, int]]:
         text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                        tokenize=False)
         r = llm.generate({"prompt": text, "multi_modal_data": MEDIA[name]},
-                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+                         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos))
         out[name] = (r[0].outputs[0].text, len(r[0].prompt_token_ids))
     llm.shutdown()
     return out
+
+
+def _assert_every_case_equals(server, want: dict[str, tuple[str, int]]) -> None:
+    client = server.client()
+    for name, parts in CASES.items():
+        r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": parts}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        assert (r.choices[0].message.content, r.usage.prompt_tokens) == want[name], name
 
 
 @pytest.fixture(scope="module")
@@ -96,21 +104,13 @@ def test_qwen2_vl_serving_equals_offline(tmp_path_factory):
     model = str(create_tiny_model("qwen2-vl", tmp_path_factory.mktemp("q2vl") / "qwen2-vl"))
     want = _offline(model)
     with launch(model, "e:1,p:1,d:1", "--block-size", "8", "--num-kv-blocks", "128", "--video-fps", "1") as server:
-        client = server.client()
-        for name, parts in CASES.items():
-            r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": parts}],
-                                               max_tokens=MAX_TOKENS, temperature=0)
-            assert (r.choices[0].message.content, r.usage.prompt_tokens) == want[name], name
+        _assert_every_case_equals(server, want)
 
 
 @pytest.mark.parametrize("pools", ["e:1,pd:1", "e:1,p:1,d:1"])
 def test_qwen_vl_serving_equals_offline(qwen_dir, expected, pools):
     with launch(qwen_dir, pools, "--block-size", "8", "--num-kv-blocks", "128", "--video-fps", "1") as server:
-        client = server.client()
-        for name, parts in CASES.items():
-            r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": parts}],
-                                               max_tokens=MAX_TOKENS, temperature=0)
-            assert (r.choices[0].message.content, r.usage.prompt_tokens) == expected[name], name
+        _assert_every_case_equals(server, expected)
 
 
 def _encoder_queries(server, at_least: float) -> dict[str, float]:
@@ -132,11 +132,7 @@ def test_two_encoders_equal_offline(qwen_dir, expected):
     cases land on both; the video is split across them)."""
     with launch(qwen_dir, "e:2,p:1,d:1", "--block-size", "8", "--num-kv-blocks", "128", "--video-fps", "1",
                 "--encode-routing", "round-robin") as server:
-        client = server.client()
-        for name, parts in CASES.items():
-            r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": parts}],
-                                               max_tokens=MAX_TOKENS, temperature=0)
-            assert (r.choices[0].message.content, r.usage.prompt_tokens) == expected[name], name
+        _assert_every_case_equals(server, expected)
         served = _encoder_queries(server, sum(NUM_QUERIES_E2.values()))
         assert sum(served.values()) == sum(NUM_QUERIES_E2.values()), served
         assert min(served.values()) >= 1, served  # both encoders did work
@@ -148,19 +144,7 @@ LONG = 320  # tokens per streamed answer: long enough to kill the decode worker 
 @pytest.fixture(scope="module")
 def expected_long(qwen_dir):
     """The offline engine's LONG-token greedy answer (EOS ignored) per case."""
-    llm = LLM(qwen_dir, dtype="float32", kv_cache_memory_gb=0.05, video_fps=1.0)
-    tok = llm.get_tokenizer()
-    out = {}
-    for name, parts in CASES.items():
-        content = [{"type": "text", "text": p["text"]} if p["type"] == "text" else
-                   {"type": "image" if p["type"] == "image_url" else "video"} for p in parts]
-        text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                       tokenize=False)
-        r = llm.generate({"prompt": text, "multi_modal_data": MEDIA[name]},
-                         SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True))
-        out[name] = r[0].outputs[0].text
-    llm.shutdown()
-    return out
+    return {name: text for name, (text, _) in _offline(qwen_dir, LONG, ignore_eos=True).items()}
 
 
 def _stream(server, parts, on_chunk=None) -> str:

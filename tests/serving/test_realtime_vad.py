@@ -9,7 +9,6 @@ checked by parity with the offline engine on the transcript.
 from __future__ import annotations
 
 import asyncio
-import base64
 
 import httpx
 import numpy as np
