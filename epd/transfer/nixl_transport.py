@@ -447,10 +447,21 @@ class NixlTransport:
 
     # -- peers --------------------------------------------------------------------------
 
-    def add_peer(self, metadata: bytes, regions: list[Region]) -> str:
+    def add_peer(self, metadata: bytes, regions: list[Region], name: str | None = None) -> str:
         """Load a peer's metadata; remember the regions it advertised (the only ranges
         write/read will touch on it; host or device memory by their device field).
-        Returns the peer's agent name."""
+        Returns the peer's agent name.
+
+        ``name``: the agent name the peer was advertised under. A known peer of that name
+        is dropped first (releasing its transfers): a process restarted under its old
+        name has new metadata, and NIXL refuses a second agent under a known name
+        (``NIXL_ERR_NOT_ALLOWED``). The metadata must then carry that name.
+
+        Raises:
+            TypeError: metadata is not bytes.
+            TransferError: metadata empty, too large, unusable, or naming another agent
+                than ``name``; nothing is kept loaded.
+        """
         agent = self._require_open("add_peer")
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise TypeError(f"metadata must be bytes, got {type(metadata).__name__}")
@@ -458,6 +469,12 @@ class NixlTransport:
         table = _RegionTable(_as_region_array(regions, "peer regions"), "peer regions")
         if not metadata or len(metadata) > _MAX_METADATA_BYTES:
             raise TransferError(f"agent {self.name!r}: add_peer: metadata of {len(metadata)} bytes rejected")
+        if name is not None:
+            try:
+                _check_name(name, "peer name")
+            except ValueError as e:
+                raise TransferError(f"agent {self.name!r}: add_peer: {e}") from e
+            self.remove_peer(name)  # a restarted peer under its old name (no-op when unknown)
         try:
             raw = agent.add_remote_agent(metadata)
         except Exception as e:
@@ -466,21 +483,30 @@ class NixlTransport:
             ) from e
         raw_bytes = raw if isinstance(raw, bytes) else str(raw).encode()
         try:
-            name = _check_name(raw_bytes.decode("utf-8"), "peer name")
+            loaded = _check_name(raw_bytes.decode("utf-8"), "peer name")
         except (UnicodeDecodeError, ValueError) as e:
-            try:
-                agent.remove_remote_agent(raw_bytes)
-            except Exception:
-                pass
+            self._unload(raw_bytes)
             raise TransferError(f"agent {self.name!r}: add_peer: bad peer name {raw_bytes[:64]!r}") from e
-        if name in self._peers:  # a restarted peer under the same name: start afresh
-            self.remove_peer(name)
+        if name is not None and loaded != name:  # never trust the advertised name
+            if loaded not in self._peers:  # (a known peer's identical metadata loads as a no-op)
+                self._unload(raw_bytes)
+            raise TransferError(f"agent {self.name!r}: add_peer: the metadata names agent {loaded!r}, "
+                                f"advertised as {name!r}")
+        if loaded in self._peers:  # the same metadata again: start afresh
+            self.remove_peer(loaded)
             try:
                 agent.add_remote_agent(metadata)
             except Exception as e:
-                raise TransferError(f"agent {self.name!r}: add_peer {name!r} failed: {type(e).__name__}: {e}") from e
-        self._peers[name] = _Peer(name, table)
-        return name
+                raise TransferError(f"agent {self.name!r}: add_peer {loaded!r} failed: {type(e).__name__}: {e}") from e
+        self._peers[loaded] = _Peer(loaded, table)
+        return loaded
+
+    def _unload(self, raw_name: bytes) -> None:
+        """Drop a remote agent NIXL loaded but this transport does not keep."""
+        try:
+            self._agent.remove_remote_agent(raw_name)
+        except Exception:
+            pass
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer: release its transfers, disconnect. Unknown peers are ignored."""

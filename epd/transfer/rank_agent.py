@@ -215,6 +215,6 @@ class RankKVWriter:
             if p.agent == self.transport.name:
                 continue
             try:
-                self.transport.add_peer(p.nixl_metadata, p.regions)
+                self.transport.add_peer(p.nixl_metadata, p.regions, p.agent)  # replaces a restarted one
             except (TransferError, ValueError, TypeError) as e:
                 logger.warning("%s: could not load peer agent %s: %s", self.transport.name, p.agent, e)

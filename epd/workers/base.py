@@ -267,7 +267,7 @@ class BaseWorker:
                 if old is not None:  # NIXL refuses a second agent under one name: drop the dead one first
                     self.transport.remove_peer(msg.instance_id)
                     self.peer_gone(old.instance_id, old.pid)  # a restart replaced that process
-                self.transport.add_peer(msg.nixl_metadata, msg.regions)
+                self.transport.add_peer(msg.nixl_metadata, msg.regions, msg.instance_id)
                 self.peer_added(msg)
             self.peers[msg.instance_id] = msg
         elif isinstance(msg, PeerGone):

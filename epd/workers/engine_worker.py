@@ -111,7 +111,7 @@ class EngineWorker(BaseWorker):
         peers = [RankPeer(rk.agent, rk.nixl_metadata or msg.nixl_metadata,
                           [*rk.k_regions, *rk.v_regions, *rk.staging_regions]) for rk in layout.ranks]
         for p in peers[1:]:  # rank 0's agent already holds the instance's own (rank 0) agent
-            self.transport.add_peer(p.nixl_metadata, p.regions)
+            self.transport.add_peer(p.nixl_metadata, p.regions, p.agent)  # (re)loaded under its name
         self.engine.runner.add_rank_peers(RankPeers(peers))
 
     def fetch_embeddings(self, request_id: str, encode_instance: str | None, refs: list[EmbeddingRef],

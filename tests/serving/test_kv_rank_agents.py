@@ -13,11 +13,11 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import psutil
 import pytest
 
 from tests.serving.conftest import launch
+from tests.serving.test_failures import _metric
 from tests.serving.test_hetero_tp import (BLOCK, MAX_TOKENS, NUM_LAYERS, TEXT_PROMPTS,  # noqa: F401 (fixtures)
                                           _cancel_at_every_stage_then_check_free, _check_parity,
                                           _staging_all_free, _wait_idle, expected, models)
@@ -73,8 +73,8 @@ def test_per_rank_cancels_free_staging_and_blocks(models, expected):
 
 def test_killed_decode_tp_rank_takes_its_instance_down_and_streams_migrate(models, expected):
     """p:1 -> two decode instances of TP 2: SIGKILL rank 1 of the busy one mid-stream. Its
-    rank 0 exits (the launcher restarts the instance), the streams migrate to the other
-    instance, and every request ends equal to the undisturbed run."""
+    rank 0 exits, the streams migrate to the other instance, and every request ends equal
+    to the undisturbed run. The launcher restarts the instance, and it serves again."""
     prompts = [TEXT_PROMPTS[1], TEXT_PROMPTS[2], list(range(100, 130)), list(range(200, 240))]
     long = 60
     with launch(models["llama"], "p:1,d:4", "--tp", "p:1,d:2", "--block-size", str(BLOCK), *PER_RANK,
@@ -118,10 +118,25 @@ def test_killed_decode_tp_rank_takes_its_instance_down_and_streams_migrate(model
         assert got == want, "".join(line for line in server.lines if "NIXL INFO" not in line)[-4000:]
         gone, alive = psutil.wait_procs([rank0], timeout=30)
         assert not alive, "rank 0 outlived its killed TP rank"
-        text = httpx.get(server.url + "/metrics", timeout=30).text
-        migrated = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("epd_migrated_requests_total{") and f'instance="{victim}"' in line)
-        assert migrated >= 1
+        assert _metric(server, "epd_migrated_requests_total", instance=victim) >= 1
+        # The launcher restarts the instance under its old agent names (new NIXL metadata):
+        # the prefill ranks' agents must drop the dead ones and load the new, else every write
+        # to it fails (NIXL_ERR_NOT_ALLOWED) while /health says 200.
+        deadline = time.monotonic() + 180
+        while _metric(server, "epd_worker_restarts_total", instance=victim) < 1 or victim not in server.workers():
+            assert time.monotonic() < deadline, "the killed instance was not restarted"
+            time.sleep(0.5)
+        routed = _metric(server, "epd_routing_decisions_total", pool="decode", instance=victim)
+        failed = [_metric(server, m) for m in ("epd_kv_transfer_failures_total", "epd_request_retries_total")]
+        for _ in range(3):
+            with ThreadPoolExecutor(4) as pool:
+                assert list(pool.map(complete, prompts)) == want
+            if _metric(server, "epd_routing_decisions_total", pool="decode", instance=victim) > routed:
+                break
+        assert _metric(server, "epd_routing_decisions_total", pool="decode", instance=victim) > routed, \
+            "the restarted instance got no request"
+        # ... and reached it: no write failed and no request was retried around it
+        assert [_metric(server, m) for m in ("epd_kv_transfer_failures_total", "epd_request_retries_total")] == failed
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +229,21 @@ def test_killed_prefill_tp_rank_takes_its_instance_down_and_requests_finish(mode
         assert not alive, "rank 0 outlived its killed TP rank"
         # the instance leaves the pool; the other one takes new requests
         assert complete(prompts[0]) == want[0]
+
+
+def test_prefill_tp_ranks_reach_a_restarted_decode_instance(models, expected):
+    """p:2 (per-rank agents) -> d:1: SIGKILL the decode worker. The launcher restarts it
+    under its old agent name with new NIXL metadata, and each prefill rank's own agent
+    replaces the dead one, so requests are served again without a failed write or a retry
+    (before, rank 1's agent kept the dead agent and every request failed with 503)."""
+    with launch(models["llama"], "p:2,d:1", "--tp", "p:2,d:1", "--block-size", str(BLOCK), *PER_RANK) as server:
+        _check_parity(server, expected["llama"][0], None)
+        server.worker_process("decode-0").send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while _metric(server, "epd_worker_restarts_total", instance="decode-0") < 1 \
+                or "decode-0" not in server.workers():
+            assert time.monotonic() < deadline, "the killed decode instance was not restarted"
+            time.sleep(0.5)
+        failed = [_metric(server, m) for m in ("epd_kv_transfer_failures_total", "epd_request_retries_total")]
+        _check_parity(server, expected["llama"][0], None)
+        assert [_metric(server, m) for m in ("epd_kv_transfer_failures_total", "epd_request_retries_total")] == failed

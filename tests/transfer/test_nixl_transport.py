@@ -356,6 +356,40 @@ def test_sigkilled_peer_raises():
         victim.stop()
 
 
+def test_restarted_peer_under_the_same_name_replaces_the_old():
+    """A peer restarted under its old agent name (a decode rank's agent after the launcher
+    restarts its instance) advertises new metadata: add_peer, told the advertised name,
+    drops the dead agent and loads the new one, and writes land in the new process. NIXL
+    itself refuses a second agent under a known name (NIXL_ERR_NOT_ALLOWED), which left
+    per-rank agents unable to reach a restarted decode instance. Metadata naming another
+    agent than advertised is refused."""
+    old = Peer("phoenix", {"kv": KV_SHAPE})
+    new = None
+    try:
+        with NixlTransport("b-restart") as b:
+            src = peer_mod.pattern(KV_SHAPE, 1)
+            (sr,) = b.register([src])
+            assert b.add_peer(old.info["metadata"], [old.info["regions"]["kv"]], "phoenix") == "phoenix"
+            b.write("phoenix", kv_blocks(sr, [0]), kv_blocks(old.info["regions"]["kv"], [0]), b"one").wait(10)
+            assert old.call("wait_notif", "b-restart", b"one", 10.0)
+            old.proc.kill()
+            old.proc.join(10)
+            new = Peer("phoenix", {"kv": KV_SHAPE})
+            kv_new = new.info["regions"]["kv"]
+            assert b.add_peer(new.info["metadata"], [kv_new], "phoenix") == "phoenix"
+            assert b.peers == ["phoenix"]
+            with pytest.raises(TransferError, match="names agent 'phoenix', advertised as 'other'"):
+                b.add_peer(new.info["metadata"], [kv_new], "other")
+            assert b.peers == ["phoenix"]
+            b.write("phoenix", kv_blocks(sr, [3, 4]), kv_blocks(kv_new, [5, 6]), b"two").wait(10)
+            assert new.call("wait_notif", "b-restart", b"two", 10.0)
+            assert new.call("check_blocks", "kv", [(5, 3), (6, 4)], 1)
+    finally:
+        old.stop()
+        if new is not None:
+            new.stop()
+
+
 def test_closed_transport():
     t = NixlTransport("b-closed")
     (r,) = t.register([torch.zeros(16)])
