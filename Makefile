@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 POOLS ?= e:1,p:1,d:1
 PORT ?= 8000
+ARGS ?=
 STAMP := $(VENV)/.epd-installed
 
 .PHONY: run generate test install clean-venv gpu-check
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/epd launch --pools $(POOLS) --port $(PORT)
+	$(VENV)/bin/epd launch --pools $(POOLS) --port $(PORT) $(ARGS)
 
 generate: $(STAMP)
 	$(VENV)/bin/epd generate --prompt "$(PROMPT)" --max-tokens 64 --temperature 0

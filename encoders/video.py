@@ -283,7 +283,9 @@ def decode_video(data: bytes, *, sampling: VideoSampling = VideoSampling(),
         container = av.open(io.BytesIO(buf), format=VIDEO_CONTAINERS[kind], container_options=_CONTAINER_OPTIONS,
                             options={"max_pixels": str(limits.max_video_pixels)}, io_open=_refuse_nested_open)
     except (av.FFmpegError, PermissionError, ValueError, OSError) as e:
-        raise CorruptMediaError(f"cannot read the video container: {e}; {_ACCEPTED}", modality="video") from None
+        why = getattr(e, "strerror", None) or str(e)  # FFmpeg's reason, without its errno
+        raise CorruptMediaError(f"cannot read the video container (truncated, damaged or not a video: {why}); "
+                                f"{_ACCEPTED}", modality="video") from None
     try:
         with container:
             header = _header(container, kind, limits)
@@ -369,8 +371,10 @@ def _decode_sampled(container, header: VideoHeader, targets: np.ndarray,
             while len(picked) < len(targets):
                 pick(prev)
     except av.FFmpegError as e:
-        raise CorruptMediaError(f"the video stream is corrupt after {decoded} frames (or its pictures are over "
-                                f"the {limits.max_video_pixels}-pixel limit): {e}", modality="video") from None
+        why = getattr(e, "strerror", None) or str(e)
+        raise CorruptMediaError(f"the video stream is truncated or corrupt after {decoded} frames ({why}; a picture "
+                                f"over the {limits.max_video_pixels}-pixel limit also stops decoding here)",
+                                modality="video") from None
     frames = np.stack([rgb for rgb, _ in picked])
     return frames, np.array([t for _, t in picked], dtype=np.float64)
 

@@ -67,7 +67,7 @@ class VideoIOKwargs(_Body):
     ``--video-fps``) and ``num_frames`` (at most this many per video; at most, and by
     default, ``--max-video-frames``)."""
 
-    fps: float | None = Field(None, gt=0.0, le=1000.0)
+    fps: float | None = Field(None, gt=0.0, le=1000.0, allow_inf_nan=False)
     num_frames: int | None = Field(None, ge=1)
 
 

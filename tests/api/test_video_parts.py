@@ -111,3 +111,14 @@ def test_qwen_video_url_is_one_video_item_sampled_as_the_request_asks(qwen_rende
     # A client typing the pad token gets text, not a video slot.
     typed, _ = _render(r, _body({"type": "text", "text": "<|video_pad|>"}))
     assert video_id not in typed
+
+
+def test_non_finite_fps_is_refused_as_such():
+    """A raw JSON NaN (or Infinity) fps is named as not finite, not as over the 1000 cap."""
+    import pydantic
+
+    from epd.api.protocol import VideoIOKwargs
+
+    for raw in ("NaN", "Infinity"):
+        with pytest.raises(pydantic.ValidationError, match="finite number"):
+            VideoIOKwargs.model_validate_json(f'{{"fps": {raw}}}')
