@@ -87,6 +87,18 @@ their decode-under-prefill table measures the shared steps, but at one batch siz
 the interference between more instances than the profiled server had (the tables are
 measured on its pools, e.g. ``p:1,d:1``).
 
+``epd plan correct --profile profile.json --url URL --window 60`` fits the profile to the
+server's live traffic, after Dynamo's planner's correction factors (``actual / expected``
+TTFT and ITL of its last interval): it reads ``/metrics`` twice, a window apart, takes the
+window's request rate, mean ISL and OSL, pools, and the API's mean TTFT and ITL
+(:class:`Observation`), and solves for the two factors on the profile's prefill seconds and
+decode step seconds with which the simulation of that load (``--trace``: the lengths of the
+trace the traffic follows, at the observed rate; else constant lengths at the observed
+means) gives the same means (:func:`fit_corrections`). They are written into the profile, and ``recommend`` simulates
+with them. A profile is taken one request or one batch at a time; under real traffic the
+workers also share what the profile cannot see (on one host: the API's per-token work, the
+clients, other requests' KV transfers), which the factors absorb.
+
 ``--apply`` sets the replicas: ``--connector local`` writes ``{"encode": N, "prefill": M,
 "decode": K}`` to ``--state`` (a JSON file), ``--connector kubernetes`` runs
 ``kubectl scale deployment/epd-<pool> --replicas=R -n NS`` for the per-pool Deployments of
@@ -110,16 +122,16 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from epd.diagnose import MetricsError, Window, metrics_url, positive_float, scrape
 
-__all__ = ["DecodeFit", "DecodeInterference", "PlanError", "PrefillFit", "Profile", "Prediction", "Workload",
-           "add_parser", "apply", "fit_decode", "fit_decode_interference", "fit_prefill", "kubectl_commands",
-           "load_profile", "profile_server", "recommend", "simulate_decode", "simulate_prefill", "synthetic_workload",
+__all__ = ["DecodeFit", "DecodeInterference", "Observation", "PlanError", "PrefillFit", "Profile", "Prediction",
+           "Workload", "add_parser", "apply", "fit_corrections", "fit_decode", "fit_decode_interference", "fit_prefill",
+           "kubectl_commands", "load_profile", "observe_server", "profile_server", "recommend", "simulate_decode", "simulate_prefill", "synthetic_workload",
            "trace_workload"]
 
 PROFILE_VERSION = 1
@@ -185,7 +197,11 @@ class Profile:
     duty asked for, the busy fraction measured, the mean running batch, mean context, step
     seconds); ``decode_interference``: ``[prefill_busy, slowdown]`` rows, ascending in
     busy (see :class:`DecodeInterference`). Profiles without these fields (written before
-    the term) load with them empty: decode is not slowed by prefill."""
+    the term) load with them empty: decode is not slowed by prefill. Live correction
+    (``epd plan correct``, Dynamo's planner's correction factors): ``prefill_correction``
+    multiplies every simulated prefill's seconds and ``decode_correction`` every decode
+    step's (1: none); ``correction_observed``: the server window they were fitted to
+    (:class:`Observation` as JSON)."""
 
     model: str
     pools: dict[str, int]
@@ -202,6 +218,9 @@ class Profile:
     decode_under_prefill_tokens: int = 0
     decode_under_prefill_points: list[list[float]] = field(default_factory=list)
     decode_interference: list[list[float]] = field(default_factory=list)
+    prefill_correction: float = 1.0
+    decode_correction: float = 1.0
+    correction_observed: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -349,6 +368,13 @@ def fit_decode(points: list[list[float]]) -> DecodeFit:
     return DecodeFit(float(c[0]), float(c[1]), float(c[2]) if len(c) > 2 else 0.0)
 
 
+def _factor(x, name: str) -> float:
+    x = float(x)
+    if not (x > 0 and math.isfinite(x)):
+        raise ValueError(f"{name} must be a finite number > 0, got {x}")
+    return x
+
+
 def load_profile(path: str | Path) -> Profile:
     """Read a profile JSON. Raises PlanError when missing or malformed."""
     try:
@@ -365,7 +391,10 @@ def load_profile(path: str | Path) -> Profile:
                        decode_under_prefill_tokens=int(d.get("decode_under_prefill_tokens", 0)),
                        decode_under_prefill_points=[[float(x) for x in row]
                                                     for row in d.get("decode_under_prefill_points", [])],
-                       decode_interference=[[float(x) for x in row] for row in d.get("decode_interference", [])])
+                       decode_interference=[[float(x) for x in row] for row in d.get("decode_interference", [])],
+                       prefill_correction=_factor(d.get("prefill_correction", 1.0), "prefill_correction"),
+                       decode_correction=_factor(d.get("decode_correction", 1.0), "decode_correction"),
+                       correction_observed=dict(d.get("correction_observed", {})))
     except FileNotFoundError:
         raise PlanError(f"{path}: no such profile (write one with `epd plan profile --url URL --out {path}`)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -662,23 +691,24 @@ def trace_workload(path: str | Path, limit: int | None = 1000, start: int = 0, s
 
 
 def simulate_prefill(w: Workload, fit: PrefillFit, instances: int, interference: Interference | None = None,
-                     streams_at=None) -> tuple[np.ndarray, np.ndarray]:
+                     streams_at=None, correction: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """FIFO through ``instances`` single-server prefill instances. A request's service time
-    is ``fit.seconds(input_len)`` times the interference slowdown at ``streams_at(start)``
+    is ``fit.seconds(input_len)`` times ``correction`` (the profile's ``prefill_correction``)
+    times the interference slowdown at ``streams_at(start)``
     decode streams (a function of the time, s, the prefill starts; None: no streams), and
     ``TTFT = done - arrival + overhead`` (the interference's overhead at the same streams).
     Returns (TTFT s, time the request's first token is out, s) per request."""
-    return _prefill_run(w, fit, instances, interference, streams_at)[:2]
+    return _prefill_run(w, fit, instances, interference, streams_at, correction)[:2]
 
 
 def _prefill_run(w: Workload, fit: PrefillFit, instances: int, interference: Interference | None = None,
-                 streams_at=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                 streams_at=None, correction: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """:func:`simulate_prefill`'s TTFT and first-token times and, per request, when its
     prefill compute starts and ends on its instance (s): the prefill pool's busy intervals."""
     interference = interference or Interference([], fit.overhead_s)
     free = [0.0] * instances
     heapq.heapify(free)
-    base = fit.seconds(w.input_len.astype(np.float64))
+    base = fit.seconds(w.input_len.astype(np.float64)) * correction
     done = np.empty(len(w.arrival_s))
     begin = np.empty(len(w.arrival_s))
     overhead = np.empty(len(w.arrival_s))
@@ -704,8 +734,8 @@ def prefill_busy_over_time(start_s: np.ndarray, done_s: np.ndarray, per: float =
     return at
 
 
-def _decode_run(w: Workload, fit: DecodeFit, instances: int, first_token_s: np.ndarray, slowdown_at=None
-                ) -> tuple[np.ndarray, np.ndarray]:
+def _decode_run(w: Workload, fit: DecodeFit, instances: int, first_token_s: np.ndarray, slowdown_at=None,
+                correction: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """:func:`simulate_decode`'s gaps (s) and, per request, the time (s) of its last token
     (its first token's time when it has no later one)."""
     order = np.argsort(first_token_s, kind="stable")
@@ -730,7 +760,7 @@ def _decode_run(w: Workload, fit: DecodeFit, instances: int, first_token_s: np.n
             running[j].append([float(ctx), float(left), t, i])
             continue
         batch = running[k]
-        step = fit.seconds(len(batch), sum(s[0] for s in batch) / len(batch))
+        step = fit.seconds(len(batch), sum(s[0] for s in batch) / len(batch)) * correction
         if slowdown_at is not None:  # decode under prefill: the factor when the step starts
             step *= slowdown_at(clock[k])
         clock[k] += step
@@ -746,13 +776,14 @@ def _decode_run(w: Workload, fit: DecodeFit, instances: int, first_token_s: np.n
 
 
 def simulate_decode(w: Workload, fit: DecodeFit, instances: int, first_token_s: np.ndarray,
-                    slowdown_at=None) -> np.ndarray:
+                    slowdown_at=None, correction: float = 1.0) -> np.ndarray:
     """Continuous batching on ``instances`` decode instances (least running streams first);
     returns every inter-token gap (s) of every request's ``output_len - 1`` later tokens.
     ``slowdown_at``: a function of a step's start time (s) -> the factor its
     :class:`DecodeFit` seconds are multiplied by (None: 1; :func:`simulate` passes the
-    decode-under-prefill slowdown at the prefill pool's simulated busy state)."""
-    return _decode_run(w, fit, instances, first_token_s, slowdown_at)[0]
+    decode-under-prefill slowdown at the prefill pool's simulated busy state); ``correction``:
+    the profile's ``decode_correction``, multiplying every step."""
+    return _decode_run(w, fit, instances, first_token_s, slowdown_at, correction)[0]
 
 
 def streams_over_time(first_token_s: np.ndarray, end_s: np.ndarray):
@@ -794,17 +825,18 @@ def simulate(profile: Profile, w: Workload, prefill_instances: int, decode_insta
     :data:`SIM_TOL_S` (at most :data:`SIM_ROUNDS` rounds; decode is a function of the
     prefill round, so a round whose TTFTs did not move leaves decode where it was)."""
     inter = Interference(profile.interference, profile.prefill.overhead_s)
-    ttft, first, start, done = _prefill_run(w, profile.prefill, prefill_instances, inter)
+    cp, cd = profile.prefill_correction, profile.decode_correction
+    ttft, first, start, done = _prefill_run(w, profile.prefill, prefill_instances, inter, correction=cp)
     gaps, end = _decode_run(w, profile.decode, decode_instances, first,
-                            decode_slowdown_at(profile, start, done, prefill_instances))
+                            decode_slowdown_at(profile, start, done, prefill_instances), cd)
     if not inter:
         return ttft, gaps
     for _ in range(SIM_ROUNDS):
         prev = ttft
         ttft, first, start, done = _prefill_run(w, profile.prefill, prefill_instances, inter,
-                                                streams_over_time(first, end))
+                                                streams_over_time(first, end), cp)
         gaps, end = _decode_run(w, profile.decode, decode_instances, first,
-                                decode_slowdown_at(profile, start, done, prefill_instances))
+                                decode_slowdown_at(profile, start, done, prefill_instances), cd)
         if np.max(np.abs(ttft - prev), initial=0.0) < SIM_TOL_S:
             break
     return ttft, gaps
@@ -858,14 +890,16 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
 
     if not profile.interference:  # prefill does not depend on the decode pool: size it first, alone
         for m in range(1, (max_devices - tp_d) // tp_p + 1):
-            ttft, first, start, done = _prefill_run(workload, profile.prefill, m)
+            ttft, first, start, done = _prefill_run(workload, profile.prefill, m,
+                                                    correction=profile.prefill_correction)
             ttft_p90 = _p90(ttft)
             tried.append(Prediction(0, m, 0, ttft_p90, math.nan, False))
             if ttft_p90 <= ttft_slo_s:
                 break
         slowdown_at = decode_slowdown_at(profile, start, done, m)  # decode under this M's prefills
         for k in range(1, (max_devices - m * tp_p) // tp_d + 1):
-            itl_p90 = _p90(simulate_decode(workload, profile.decode, k, first, slowdown_at))
+            itl_p90 = _p90(simulate_decode(workload, profile.decode, k, first, slowdown_at,
+                                           profile.decode_correction))
             tried.append(Prediction(0, m, k, ttft_p90, itl_p90, ttft_p90 <= ttft_slo_s and itl_p90 <= itl_slo_s))
             if itl_p90 <= itl_slo_s:
                 break
@@ -888,6 +922,119 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
         ok = [p for p in seen.values() if p.meets]
         best = min(ok, key=lambda p: (p.prefill * tp_p + p.decode * tp_d, p.prefill)) if ok else best
     return best, tried
+
+
+# ---- live correction (Dynamo's correction factors) ---------------------------------------------
+#: requests a window must hold for ``epd plan correct`` to fit factors to it
+MIN_OBSERVED_REQUESTS = 10
+#: the range a correction factor is searched in (the profile too fast / too slow by 16x at most)
+CORRECTION_RANGE = (1 / 16, 16.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """A live server's traffic over a window of its ``/metrics``: ``requests`` whose first
+    token came out in it, ``rate`` (req/s), ``isl_mean`` (prompt tokens per prefill, the
+    prefill pool's prefix-cache queries over its prefills), ``osl_mean`` (output chunks per
+    request: the API's inter-token gaps per request + 1), the API's mean ``ttft_s`` and
+    ``itl_s``, and the live ``prefill`` and ``decode`` instances; ``window_s``: seconds."""
+
+    requests: int
+    rate: float
+    isl_mean: float
+    osl_mean: float
+    ttft_s: float
+    itl_s: float
+    prefill: int
+    decode: int
+    window_s: float
+
+    @classmethod
+    def from_window(cls, w: Window) -> "Observation":
+        """Raises PlanError when the window has no prefill and decode pool or too few requests."""
+        from epd.diagnose import ITL, PREFILL, PREFIX_QUERIES, TTFT
+
+        if not (w.has_pool("prefill") and w.has_pool("decode")):
+            raise PlanError(f"the server has no prefill and decode pools to correct (pools: {', '.join(w.pools())})")
+        ttft, itl, pre = w.histogram(TTFT, "api"), w.histogram(ITL, "api"), w.histogram(PREFILL, "prefill")
+        n = int(ttft.count) if ttft is not None else 0
+        if n < MIN_OBSERVED_REQUESTS or pre is None or not pre.count or itl is None or not itl.count:
+            raise PlanError(f"the window holds {n} requests with a first token (and "
+                            f"{int(itl.count) if itl is not None else 0} later tokens); at least "
+                            f"{MIN_OBSERVED_REQUESTS} streamed requests are needed: run the traffic during it, "
+                            f"or widen --window")
+        return cls(requests=n, rate=n / w.duration_s, isl_mean=w.counter(PREFIX_QUERIES, pool="prefill") / pre.count,
+                   osl_mean=itl.count / n + 1, ttft_s=ttft.mean, itl_s=itl.mean, prefill=w.instances("prefill"),
+                   decode=w.instances("decode"), window_s=w.duration_s)
+
+
+def observe_server(url: str, window_s: float, timeout_s: float = 30.0) -> Observation:
+    """Read ``url``'s ``/metrics`` twice, ``window_s`` seconds apart, while its traffic runs.
+
+    Raises:
+        PlanError: the server cannot be read, or the window is unusable (:meth:`Observation.from_window`).
+    """
+    import httpx
+
+    try:
+        with httpx.Client(timeout=timeout_s) as client:
+            first = scrape(client, metrics_url(url))
+            time.sleep(window_s)
+            return Observation.from_window(Window(first, scrape(client, metrics_url(url))))
+    except MetricsError as e:
+        raise PlanError(str(e)) from None
+
+
+def _solve_factor(f, target: float, iters: int = 12) -> float:
+    """The ``c`` in :data:`CORRECTION_RANGE` with ``f(c) = target`` for a nondecreasing ``f``
+    (bisection on log c), clamped to the range's ends."""
+    lo, hi = math.log(CORRECTION_RANGE[0]), math.log(CORRECTION_RANGE[1])
+    if f(math.exp(lo)) >= target:
+        return math.exp(lo)
+    if f(math.exp(hi)) <= target:
+        return math.exp(hi)
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(math.exp(mid)) < target else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+def fit_corrections(profile: Profile, obs: Observation, workload: Workload | None = None, num_requests: int = 300,
+                    rounds: int = 2) -> tuple[float, float]:
+    """``(prefill_correction, decode_correction)``: the factors on the profile's prefill
+    seconds and decode step seconds with which :func:`simulate`, run on the observed load
+    on the observed pools, gives the observed mean TTFT and mean ITL. The load: ``workload``
+    (the lengths the traffic follows, e.g. the trace being replayed) with its times rescaled
+    to the observed rate, else a Poisson workload of ``num_requests`` requests of the observed
+    mean ISL and OSL (constant lengths queue less than a trace's long tail, so a factor fitted
+    on them comes out larger).
+
+    After Dynamo's planner, which scales its profile's predictions by ``actual / expected``
+    TTFT and ITL of the last interval (``prefill_correction``, ``decode_correction``). Here
+    each factor scales a service time inside the simulation instead, solved for (bisection),
+    so that queueing grows with it as it does on the server: at low load it is that ratio.
+    What it absorbs is whatever the profile did not measure (on shared cores: the API, the
+    clients and the KV transfers taking compute from the workers; the prompts' real template
+    and tokenizer). The two are solved in turn, ``rounds`` times (they interact through the
+    interference tables)."""
+    if workload is None:
+        w = synthetic_workload(max(1, round(obs.isl_mean)), max(1, round(obs.osl_mean)), obs.rate, num_requests)
+    else:
+        from epd.bench.arrivals import rescale_to_rate
+
+        w = replace(workload, arrival_s=np.asarray(rescale_to_rate(workload.arrival_s, obs.rate), dtype=np.float64))
+    cp = cd = 1.0
+    for _ in range(rounds):
+        cp = _solve_factor(lambda c, cd=cd: float(np.mean(simulate(_corrected(profile, c, cd), w, obs.prefill,
+                                                                   obs.decode)[0])), obs.ttft_s)
+        cd = _solve_factor(lambda c, cp=cp: float(np.mean(simulate(_corrected(profile, cp, c), w, obs.prefill,
+                                                                   obs.decode)[1])), obs.itl_s)
+    return cp, cd
+
+
+def _corrected(profile: Profile, prefill: float, decode: float, observed: dict | None = None) -> Profile:
+    return replace(profile, prefill_correction=prefill, decode_correction=decode,
+                   correction_observed=profile.correction_observed if observed is None else observed)
 
 
 # ---- applying the replica counts ---------------------------------------------------------------
@@ -947,6 +1094,17 @@ def _duties(text: str) -> tuple[float, ...]:
     return xs
 
 
+def _trace_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    from epd.cli import _positive_int
+
+    p.add_argument("--trace", help=what)
+    p.add_argument("--limit", type=_positive_int, default=1000, help="trace rows (default: %(default)s)")
+    p.add_argument("--start", type=int, default=0, help="first trace row")
+    p.add_argument("--scale", type=positive_float, default=None, help="trace length factor (as epd bench)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="scale the trace's lengths to fit this (as epd bench), unless --scale")
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand (``profile``, ``recommend``) to an ``argparse`` sub-parser set."""
     from epd.cli import _positive_int
@@ -980,14 +1138,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pr.add_argument("--timeout", type=positive_float, default=300.0, help="seconds one request may take")
     pr.set_defaults(func=cmd_profile)
 
+    c = psub.add_parser("correct", help="fit the profile to a live server's traffic (correction factors)",
+                        description="Read the server's /metrics twice, --window seconds apart, while its traffic "
+                                    "runs, and fit two factors (prefill seconds, decode step seconds) with which the "
+                                    "profile's simulation of that load gives the mean TTFT and ITL the server saw; "
+                                    "`recommend` then predicts with them (Dynamo's planner's correction factors).")
+    c.add_argument("--profile", required=True, help="a profile JSON of `epd plan profile`")
+    c.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
+    c.add_argument("--window", type=positive_float, default=60.0, help="seconds between the two reads (default: 60)")
+    c.add_argument("--out", help="the corrected profile to write (default: --profile, in place)")
+    _trace_arguments(c, "the trace the traffic follows (its lengths, at the observed rate; default: constant "
+                        "lengths at the observed means)")
+    c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.set_defaults(func=cmd_correct)
+
     r = psub.add_parser("recommend", help="the smallest e:N,p:M,d:K meeting the TTFT and ITL SLOs")
     r.add_argument("--profile", required=True, help="a profile JSON of `epd plan profile`")
-    r.add_argument("--trace", help="a ../shared/traces trace (.jsonl Mooncake or .csv Azure)")
-    r.add_argument("--limit", type=_positive_int, default=1000, help="trace rows (default: %(default)s)")
-    r.add_argument("--start", type=int, default=0, help="first trace row")
-    r.add_argument("--scale", type=positive_float, default=None, help="trace length factor (as epd bench)")
-    r.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="scale the trace's lengths to fit this (as epd bench), unless --scale")
+    _trace_arguments(r, "a ../shared/traces trace (.jsonl Mooncake or .csv Azure)")
     r.add_argument("--isl-mean", type=_positive_int, help="synthetic workload: input tokens")
     r.add_argument("--osl-mean", type=_positive_int, help="synthetic workload: output tokens")
     r.add_argument("--rate", type=positive_float, help="req/s (synthetic; rescales a trace's times)")
@@ -1036,6 +1203,33 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_correct(args: argparse.Namespace) -> int:
+    try:
+        prof = load_profile(args.profile)
+        work = (trace_workload(args.trace, args.limit, args.start, args.scale, args.max_model_len)
+                if args.trace else None)
+        obs = observe_server(args.url, args.window)
+        cp, cd = fit_corrections(prof, obs, work)
+    except PlanError as e:
+        return _fail(args, str(e))
+    out = Path(args.out or args.profile)
+    out.write_text(json.dumps(_corrected(prof, cp, cd, asdict(obs)).to_json(), indent=2) + "\n")
+    if args.json:
+        print(json.dumps({"prefill_correction": cp, "decode_correction": cd, "observed": asdict(obs),
+                          "profile": str(out)}))
+    else:
+        clamp = [name for name, x in (("prefill", cp), ("decode", cd))
+                 if min(abs(math.log(x / end)) for end in CORRECTION_RANGE) < 1e-6]
+        print(f"observed {obs.requests} requests in {obs.window_s:.0f} s on p:{obs.prefill},d:{obs.decode} "
+              f"({obs.rate:.3g} req/s, ISL {obs.isl_mean:.0f}, OSL {obs.osl_mean:.0f}): mean TTFT "
+              f"{obs.ttft_s * 1e3:.1f} ms, mean ITL {obs.itl_s * 1e3:.2f} ms\n"
+              f"  prefill correction x{cp:.2f}, decode correction x{cd:.2f} -> {out}"
+              + (f"\n  ({' and '.join(clamp)} at the end of the searched range "
+                 f"{CORRECTION_RANGE[0]:g}..{CORRECTION_RANGE[1]:g}: the profile is not of this server?)"
+                 if clamp else ""))
+    return 0
+
+
 def cmd_recommend(args: argparse.Namespace) -> int:
     try:
         prof = load_profile(args.profile)
@@ -1056,6 +1250,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
                           "predicted": {"ttft_p90_s": best.ttft_p90_s, "itl_p90_s": best.itl_p90_s},
                           "slo": {"ttft_s": args.ttft_slo, "itl_s": args.itl_slo}, "workload": work.source,
                           "model": prof.model,
+                          "correction": {"prefill": prof.prefill_correction, "decode": prof.decode_correction},
                           "candidates": [{"pools": c.pools, "ttft_p90_s": c.ttft_p90_s,
                                           "itl_p90_s": None if math.isnan(c.itl_p90_s) else c.itl_p90_s}
                                          for c in tried]}))
@@ -1064,7 +1259,9 @@ def cmd_recommend(args: argparse.Namespace) -> int:
               f"predicted p90 TTFT {best.ttft_p90_s * 1e3:.0f} ms (SLO {args.ttft_slo * 1e3:.0f}), "
               f"p90 ITL {best.itl_p90_s * 1e3:.1f} ms (SLO {args.itl_slo * 1e3:.1f})"
               + ("" if best.meets else f"  -- NOT met within {args.max_devices} devices"))
-        print(f"  {work.source}; profile of {prof.model}", file=sys.stderr)
+        print(f"  {work.source}; profile of {prof.model}"
+              + (f"; corrected x{prof.prefill_correction:.2f} prefill, x{prof.decode_correction:.2f} decode"
+                 if (prof.prefill_correction, prof.decode_correction) != (1.0, 1.0) else ""), file=sys.stderr)
     if args.apply and not best.meets:
         print(f"epd plan recommend: not applied: no pool set within {args.max_devices} devices meets the SLOs",
               file=sys.stderr)

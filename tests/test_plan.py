@@ -408,3 +408,66 @@ def test_the_decode_table_is_read_at_the_simulated_prefill_pools_utilization():
     w = synthetic_workload(512, 64, rate=6.0, n=300)
     itl = [np.quantile(simulate(_with_decode_table(), w, m, 2)[1], 0.9) for m in (1, 2, 3)]
     assert itl[0] > itl[1] > itl[2] > np.quantile(simulate(profile(), w, 3, 2)[1], 0.9)
+
+
+# ---- live correction (epd plan correct) ----------------------------------------------------------
+def _observed(prof: Profile, w, prefill_x: float, decode_x: float):
+    """What a server `prof` describes up to the factors would show for the load ``w``."""
+    import dataclasses
+
+    from epd.plan import Observation, simulate
+
+    ttft, gaps = simulate(dataclasses.replace(prof, prefill_correction=prefill_x, decode_correction=decode_x), w, 1, 1)
+    return Observation(requests=len(ttft), rate=6.0, isl_mean=float(w.input_len.mean()),
+                       osl_mean=float(w.output_len.mean()), ttft_s=float(ttft.mean()), itl_s=float(gaps.mean()),
+                       prefill=1, decode=1, window_s=60.0)
+
+
+@pytest.mark.parametrize("tables", [False, True])
+def test_fit_corrections_recovers_the_factors_a_server_runs_slower_by(tables):
+    """The profile is 1.8x too fast for prefill and 1.4x for decode on the server: the fitted
+    factors are those, found through the queueing (at 6 req/s of 300-token prompts one prefill
+    instance is 39 % busy at the profile's speed and 70 % at 1.8x, so the queue grows faster
+    than the factor), not the ratio of the mean TTFTs. With both interference tables they interact and are still recovered."""
+    from epd.plan import fit_corrections, simulate
+
+    prof = Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
+                   **({"interference": [[0, 1.0, 0.02], [4, 1.5, 0.02]], "decode_interference": DECODE_INTERFERENCE}
+                      if tables else {}))
+    w = synthetic_workload(300, 40, rate=6.0, n=300)
+    obs = _observed(prof, w, 1.8, 1.4)
+    cp, cd = fit_corrections(prof, obs)
+    assert cp == pytest.approx(1.8, rel=0.03) and cd == pytest.approx(1.4, rel=0.03), (cp, cd)
+    ratio = obs.ttft_s / float(simulate(prof, w, 1, 1)[0].mean())
+    assert abs(ratio - 1.8) > 0.1  # the plain ratio of means would be another number: queueing
+
+
+def test_a_corrected_profile_round_trips_and_recommend_predicts_with_it(tmp_path):
+    import dataclasses
+
+    from epd.plan import Observation
+
+    obs = Observation(requests=40, rate=4.0, isl_mean=300.0, osl_mean=40.0, ttft_s=0.2, itl_s=0.02, prefill=1,
+                      decode=1, window_s=10.0)
+    slow = dataclasses.replace(profile(), prefill_correction=3.0, decode_correction=2.0,
+                               correction_observed=dataclasses.asdict(obs))
+    (tmp_path / "c.json").write_text(json.dumps(slow.to_json()))
+    back = load_profile(tmp_path / "c.json")
+    assert (back.prefill_correction, back.decode_correction) == (3.0, 2.0)
+    assert back.correction_observed == dataclasses.asdict(obs)
+    w = synthetic_workload(512, 16, rate=4.0, n=300)
+    fast_best, _ = recommend(profile(), w, ttft_slo_s=0.5, itl_slo_s=0.05)
+    slow_best, _ = recommend(back, w, ttft_slo_s=0.5, itl_slo_s=0.05)
+    assert slow_best.prefill > fast_best.prefill  # 3x slower prefills need more instances
+    assert slow_best.itl_p90_s > 1.5 * fast_best.itl_p90_s
+    bad = slow.to_json() | {"prefill_correction": 0}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(PlanError, match="prefill_correction must be a finite number > 0"):
+        load_profile(tmp_path / "bad.json")
+
+
+def test_correct_without_a_server_exits_2(tmp_path):
+    profile(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "epd.cli", "plan", "correct", "--profile", str(tmp_path / "profile.json"),
+                        "--url", "http://127.0.0.1:9", "--window", "0.1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "cannot read" in r.stderr, r.stderr

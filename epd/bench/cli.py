@@ -79,6 +79,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     w.add_argument("--trace", type=Path, default=None, help="trace: a Mooncake .jsonl or Azure .csv file")
     w.add_argument("--trace-scale", type=float, default=None,
                    help="trace: length factor (default: the longest replayed request fills 90%% of max_model_len)")
+    w.add_argument("--trace-start", type=int, default=0,
+                   help="trace: the first row to replay (0-based; rows before it are skipped)")
     w.add_argument("--trace-speedup", type=float, default=1.0, help="trace without --rate: replay this much faster")
     w.add_argument("--tokenizer", default=None, help="tokenizer dir to calibrate synthetic text's tokens per word")
     o = b.add_argument_group("output")
@@ -114,7 +116,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        num_requests=args.num_requests, duration_s=args.duration, seed=args.seed,
                        ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo, goodput_target=args.goodput_target,
                        num_devices=args.num_devices, model=args.model, max_model_len=args.max_model_len, options=opts,
-                       trace_speedup=args.trace_speedup, trace_scale=args.trace_scale, ignore_eos=args.ignore_eos,
+                       trace_speedup=args.trace_speedup, trace_scale=args.trace_scale, trace_start=args.trace_start,
+                       ignore_eos=args.ignore_eos,
                        include_usage=args.include_usage, warmup=args.warmup,
                        request_timeout_s=args.request_timeout, max_concurrency=args.max_concurrency, progress=not args.no_progress,
                        tokens_per_word=tokens_per_word)

@@ -47,6 +47,7 @@ class BenchConfig:
     options: WorkloadOptions = field(default_factory=WorkloadOptions)
     trace_speedup: float = 1.0
     trace_scale: float | None = None
+    trace_start: int = 0
     ignore_eos: bool = True
     include_usage: bool = True
     warmup: int = 1
@@ -72,6 +73,8 @@ class BenchConfig:
             raise ValueError(f"goodput_target must be within (0, 1], got {self.goodput_target}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.trace_start < 0:
+            raise ValueError(f"trace_start must be >= 0, got {self.trace_start}")
         if not self.trace_speedup > 0:
             raise ValueError(f"trace_speedup must be > 0, got {self.trace_speedup}")
 
@@ -238,7 +241,7 @@ async def run_bench(cfg: BenchConfig) -> dict:
                 raise ValueError("the trace workload needs --trace FILE")
             if mml is None:
                 raise ValueError("the server does not report max_model_len; pass --max-model-len")
-            opts, scale = trace_options(opts.trace_path, mml, cfg.num_requests, cfg.trace_scale)
+            opts, scale = trace_options(opts.trace_path, mml, cfg.num_requests, cfg.trace_scale, cfg.trace_start)
         text = TextMaker(cfg.tokens_per_word)
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         load_before = _load()

@@ -104,3 +104,22 @@ def test_real_traces_load_and_scale():
     assert len(zero) > 10 and all(f == zero[0] for f in zero)
     azure = load_trace(SHARED / "azure_llm_2023_conv.csv", limit=100)
     assert len(azure) == 100 and azure[-1].t_s > 0
+
+
+def test_trace_start_skips_the_rows_before_it(tmp_path):
+    """`epd bench --trace-start N` replays from row N (as `epd plan recommend --start`): a
+    held-out segment of a trace, e.g. to calibrate on rows a plan is not judged on."""
+    import argparse
+
+    from epd.bench.cli import add_parser, config_from_args
+
+    p = write_mooncake(tmp_path, [{"timestamp": 100 * i, "input_length": 1000 + 100 * i, "output_length": 64,
+                                   "hash_ids": [i]} for i in range(4)])
+    opts, _ = trace_options(p, max_model_len=4096, limit=2, scale=0.125, start=1)
+    assert [r.input_len for r in opts.trace_rows] == [round(1100 * 0.125), round(1200 * 0.125)]  # rows 1, 2
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["bench", "--workload", "trace", "--trace", str(p), "--trace-start", "1"])
+    assert config_from_args(args).trace_start == 1
+    with pytest.raises(ValueError, match="trace_start must be >= 0"):
+        config_from_args(parser.parse_args(["bench", "--workload", "trace", "--trace", str(p), "--trace-start", "-1"]))

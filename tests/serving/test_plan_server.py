@@ -77,3 +77,49 @@ def test_profile_a_server_then_recommend(small_llama, tmp_path):  # noqa: F811 -
     assert lo["replicas"]["prefill"] == 1, lo
     assert hi["replicas"]["prefill"] >= 3, hi
     assert hi["predicted"]["ttft_p90_s"] <= hi["slo"]["ttft_s"]
+
+
+def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa: F811 - the fixture
+    """`epd plan correct` on a real server while streams run: the observation is what was sent
+    (100-token prompts, 16 tokens out), and a profile that claims both phases take a fraction
+    of what they do gets factors above 1 with which the simulation of the observed load gives
+    the observed mean TTFT and ITL; the factors are written into the profile, `recommend`
+    reports them, and a server without traffic in the window is a clear error (exit 2)."""
+    import dataclasses
+    import time
+
+    from epd.plan import DecodeFit, Observation, PrefillFit, Profile, load_profile, simulate, synthetic_workload
+    from tests.serving.test_diagnose_server import Load, stream_model, tokens
+
+    claimed = Profile(model="m", pools={"prefill": 1, "decode": 1}, prefill=PrefillFit(2e-3, 2e-5, 0.0, 2e-3),
+                      decode=DecodeFit(1e-3, 0.0, 0.0), tp={"prefill": 1, "decode": 1})
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(claimed.to_json()))
+    with launch(small_llama, "p:1,d:1", "--kv-cache-memory-gb", "0.05", *THREADS) as server:
+        idle = plan("correct", "--profile", str(path), "--url", server.url, "--window", "0.5")
+        load = Load(lambda rng: stream_model(server, server.model, tokens(rng, 100), 16), threads=3)
+        try:
+            time.sleep(1.0)
+            r = plan("correct", "--profile", str(path), "--url", server.url, "--window", "4", "--json")
+        finally:
+            assert load.stop() > 0
+    assert idle.returncode == 2 and "streamed requests are needed" in idle.stderr, idle.stderr
+    assert r.returncode == 0, r.stderr + r.stdout
+    out = json.loads(r.stdout)
+    obs = Observation(**out["observed"])
+    assert obs.requests >= 10 and (obs.prefill, obs.decode) == (1, 1), obs
+    assert obs.isl_mean == pytest.approx(100, rel=0.05), obs  # 100 fresh token ids each; a prefill may straddle an edge
+    assert obs.osl_mean == pytest.approx(16, rel=0.25), obs  # the window's edges cut a few streams
+    cp, cd = out["prefill_correction"], out["decode_correction"]
+    assert 1 < cp < 15 and 1 < cd < 15, out  # the claims were too fast; neither at the search's end (16)
+    prof = load_profile(path)
+    assert (prof.prefill_correction, prof.decode_correction) == (cp, cd)
+    assert prof.correction_observed == out["observed"]
+    w = synthetic_workload(round(obs.isl_mean), round(obs.osl_mean), obs.rate, 300)
+    ttft, gaps = simulate(prof, w, 1, 1)
+    assert float(ttft.mean()) == pytest.approx(obs.ttft_s, rel=0.05)
+    assert float(gaps.mean()) == pytest.approx(obs.itl_s, rel=0.05)
+    assert dataclasses.replace(prof, prefill_correction=1.0).prefill == claimed.prefill  # the fit itself is kept
+    rec = plan("recommend", "--profile", str(path), "--isl-mean", "100", "--osl-mean", "16", "--rate", "2",
+               "--ttft-slo", "1", "--itl-slo", "0.5", "--json")
+    assert rec.returncode == 0 and json.loads(rec.stdout)["correction"] == {"prefill": cp, "decode": cd}, rec.stderr
