@@ -90,7 +90,8 @@ def calibrate(model: str, work: Path, profile: Path, rate: float, args: argparse
         bench = subprocess.Popen([sys.executable, "-m", "epd.cli", "bench", "--base-url", url, "--workload", "trace",
                                   "--trace", str(TRACE), "--trace-start", str(args.rows), "--num-requests",
                                   str(args.rows), "--trace-scale", str(args.scale), "--rate", str(rate),
-                                  "--tokenizer", model, "--out", str(work / f"bench_correct_{rate:g}.json"), "--no-plots",
+                                  "--tokenizer", model, "--out", str(work / f"bench_correct_{rate:g}.json"),
+                                  "--no-plots",
                                   "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # the window must lie inside the replay: wait for its first answers (the bench loads a
         # tokenizer and sends a warm-up request first), or the observed rate is too low
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         results["runs"].append({"rate": rate, "recommend": rec, "bench": summary, "server": server, "load": _load()})
         p, m = rec["predicted"], summary
         c = rec.get("correction", {"prefill": 1.0, "decode": 1.0})
-        rows.append(f"| {rate:g} | x{c['prefill']:.2f} / x{c['decode']:.2f} | {rec['pools']} | {_ms(p['ttft_p90_s'])} | {_ms(m['ttft_s']['p90'])} | "
+        rows.append(f"| {rate:g} | x{c['prefill']:.2f} / x{c['decode']:.2f} | {rec['pools']} | "
+                    f"{_ms(p['ttft_p90_s'])} | {_ms(m['ttft_s']['p90'])} | "
                     f"{_err(p['ttft_p90_s'], m['ttft_s']['p90'])} | "
                     f"{_ms(server['ttft_p90_predicted_uncorrected_s'])} | "
                     f"{_ms(p['itl_p90_s'])} | {_ms(m['itl_s']['p90'])} | "
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{_ms(m['tpot_s']['p90'])} | "
                     f"{_ms(predicted_prefill_s)} | "
                     f"{_ms(server['prefill_mean_s'])} | {_ms(server['prefill_queue_mean_s'])} | {_load()[0]} |")
-    table = ["| rate req/s | correction prefill / decode | recommended | TTFT p90 predicted ms | measured | error | uncorrected | "
+    table = ["| rate req/s | correction prefill / decode | recommended | TTFT p90 predicted ms | measured | error | "
+             "uncorrected | "
              "ITL p90 predicted ms | measured | error | uncorrected | TPOT p90 measured ms | "
              "prefill mean: profile alone ms | replay ms | prefill queue mean ms | load 1m |", "|" + "---|" * 16] + rows
     args.out.parent.mkdir(parents=True, exist_ok=True)

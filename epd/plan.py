@@ -94,8 +94,8 @@ window's request rate, mean ISL and OSL, pools, and the API's mean TTFT and ITL
 (:class:`Observation`), and solves for the two factors on the profile's prefill seconds and
 decode step seconds with which the simulation of that load (``--trace``: the lengths of the
 trace the traffic follows, at the observed rate; else constant lengths at the observed
-means) gives the same means (:func:`fit_corrections`). They are written into the profile, and ``recommend`` simulates
-with them. A profile is taken one request or one batch at a time; under real traffic the
+means) gives the same means (:func:`fit_corrections`). They are written into the profile,
+and ``recommend`` simulates with them. A profile is taken one request or one batch at a time; under real traffic the
 workers also share what the profile cannot see (on one host: the API's per-token work, the
 clients, other requests' KV transfers), which the factors absorb.
 
@@ -131,8 +131,8 @@ from epd.diagnose import MetricsError, Window, metrics_url, positive_float, scra
 
 __all__ = ["DecodeFit", "DecodeInterference", "Observation", "PlanError", "PrefillFit", "Profile", "Prediction",
            "Workload", "add_parser", "apply", "fit_corrections", "fit_decode", "fit_decode_interference", "fit_prefill",
-           "kubectl_commands", "load_profile", "observe_server", "profile_server", "recommend", "simulate_decode", "simulate_prefill", "synthetic_workload",
-           "trace_workload"]
+           "kubectl_commands", "load_profile", "observe_server", "profile_server", "recommend", "simulate_decode",
+           "simulate_prefill", "synthetic_workload", "trace_workload"]
 
 PROFILE_VERSION = 1
 DEFAULT_PREFILL_LENGTHS = (64, 128, 256, 512, 1024, 2048)

@@ -428,7 +428,8 @@ def test_fit_corrections_recovers_the_factors_a_server_runs_slower_by(tables):
     """The profile is 1.8x too fast for prefill and 1.4x for decode on the server: the fitted
     factors are those, found through the queueing (at 6 req/s of 300-token prompts one prefill
     instance is 39 % busy at the profile's speed and 70 % at 1.8x, so the queue grows faster
-    than the factor), not the ratio of the mean TTFTs. With both interference tables they interact and are still recovered."""
+    than the factor), not the ratio of the mean TTFTs. With both interference tables they
+    interact and are still recovered."""
     from epd.plan import fit_corrections, simulate
 
     prof = Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
