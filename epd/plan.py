@@ -106,7 +106,9 @@ deploy/ (the scale subresource), ``--dry-run`` printing the commands instead.
 
 Exit codes: 0 done (recommend: the SLOs can be met), 1 no candidate within
 ``--max-devices`` meets them, 2 bad input (a missing or malformed profile or trace, a
-server that cannot be read).
+server that cannot be read, an output file that cannot be written; ``correct``: also a
+server that serves another model than the profile's, or a window with fewer than
+:data:`MIN_OBSERVED_REQUESTS` streamed requests).
 """
 
 from __future__ import annotations
@@ -369,9 +371,16 @@ def fit_decode(points: list[list[float]]) -> DecodeFit:
 
 
 def _factor(x, name: str) -> float:
-    x = float(x)
-    if not (x > 0 and math.isfinite(x)):
-        raise ValueError(f"{name} must be a finite number > 0, got {x}")
+    """A correction factor read from a profile: a JSON number within :data:`CORRECTION_RANGE`."""
+    lo, hi = CORRECTION_RANGE
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (lo * (1 - 1e-9) <= x <= hi * (1 + 1e-9)):
+        raise ValueError(f"{name} must be a number within {lo:g}..{hi:g} (what `epd plan correct` fits), got {x!r}")
+    return float(x)
+
+
+def _observed(x) -> dict:
+    if not isinstance(x, dict):
+        raise ValueError(f"correction_observed must be a JSON object, got {x!r}")
     return x
 
 
@@ -394,7 +403,7 @@ def load_profile(path: str | Path) -> Profile:
                        decode_interference=[[float(x) for x in row] for row in d.get("decode_interference", [])],
                        prefill_correction=_factor(d.get("prefill_correction", 1.0), "prefill_correction"),
                        decode_correction=_factor(d.get("decode_correction", 1.0), "decode_correction"),
-                       correction_observed=dict(d.get("correction_observed", {})))
+                       correction_observed=_observed(d.get("correction_observed", {})))
     except FileNotFoundError:
         raise PlanError(f"{path}: no such profile (write one with `epd plan profile --url URL --out {path}`)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -684,7 +693,10 @@ def trace_workload(path: str | Path, limit: int | None = 1000, start: int = 0, s
     order = np.argsort(t, kind="stable")
     t = t[order]
     if rate is not None:
-        t = np.asarray(rescale_to_rate(t, rate), dtype=np.float64)
+        try:
+            t = np.asarray(rescale_to_rate(t, rate), dtype=np.float64)
+        except ValueError as e:
+            raise PlanError(f"{path} rows {start}..: {e} (give more rows: --start, --limit)") from None
     return Workload(t, np.asarray([r.input_len for r in rows])[order], np.asarray([r.output_len for r in rows])[order],
                     f"trace {path}: {len(rows)} rows" + (f", lengths x{scale:g}" if scale else "")
                     + (f", {rate:g} req/s" if rate else ""))
@@ -968,21 +980,33 @@ class Observation:
                    decode=w.instances("decode"), window_s=w.duration_s)
 
 
-def observe_server(url: str, window_s: float, timeout_s: float = 30.0) -> Observation:
+def observe_server(url: str, window_s: float, timeout_s: float = 30.0, model: str | None = None,
+                   log=None) -> Observation:
     """Read ``url``'s ``/metrics`` twice, ``window_s`` seconds apart, while its traffic runs.
+    ``model``: the profile's model, which the server must serve.
 
     Raises:
-        PlanError: the server cannot be read, or the window is unusable (:meth:`Observation.from_window`).
+        PlanError: the server cannot be read, serves another model than ``model``, or the
+            window is unusable (:meth:`Observation.from_window`).
     """
     import httpx
 
     try:
         with httpx.Client(timeout=timeout_s) as client:
+            if model is not None:
+                served, _ = _model_info(client, metrics_url(url).removesuffix("/metrics"))
+                if served != model:
+                    raise PlanError(f"the profile is of {model!r} but {url} serves {served!r}: profile this server "
+                                    f"first (`epd plan profile --url {url}`)")
             first = scrape(client, metrics_url(url))
+            if log is not None:
+                log(f"observing {url} for {window_s:g} s ...")
             time.sleep(window_s)
             return Observation.from_window(Window(first, scrape(client, metrics_url(url))))
     except MetricsError as e:
         raise PlanError(str(e)) from None
+    except httpx.HTTPError as e:
+        raise PlanError(f"cannot read {url}: {type(e).__name__}: {e}") from None
 
 
 def _solve_factor(f, target: float, iters: int = 12) -> float:
@@ -1022,7 +1046,11 @@ def fit_corrections(profile: Profile, obs: Observation, workload: Workload | Non
     else:
         from epd.bench.arrivals import rescale_to_rate
 
-        w = replace(workload, arrival_s=np.asarray(rescale_to_rate(workload.arrival_s, obs.rate), dtype=np.float64))
+        n = min(len(workload.arrival_s), max(num_requests, obs.requests))  # the first n rows: as many as were seen
+        if n < 2:
+            raise PlanError(f"{workload.source}: at least 2 rows are needed to replay it at the observed rate")
+        w = Workload(np.asarray(rescale_to_rate(workload.arrival_s[:n], obs.rate), dtype=np.float64),
+                     workload.input_len[:n], workload.output_len[:n], workload.source)
     cp = cd = 1.0
     for _ in range(rounds):
         cp = _solve_factor(lambda c, cd=cd: float(np.mean(simulate(_corrected(profile, c, cd), w, obs.prefill,
@@ -1052,7 +1080,7 @@ def apply(replicas: dict[str, int], connector: str, *, state: str | Path = "epd-
         if dry_run:
             out(f"would write {json.dumps(replicas)} to {state}")
             return
-        Path(state).write_text(json.dumps(replicas, indent=2) + "\n")
+        _write(Path(state), json.dumps(replicas, indent=2) + "\n")
         out(f"wrote {json.dumps(replicas)} to {state}")
         return
     for cmd in kubectl_commands(replicas, namespace):
@@ -1094,12 +1122,46 @@ def _duties(text: str) -> tuple[float, ...]:
     return xs
 
 
+#: the longest ``epd plan correct --window`` (a day), seconds
+MAX_WINDOW_S = 86400.0
+
+
+def _window(text: str) -> float:
+    x = positive_float(text)
+    if x > MAX_WINDOW_S:
+        raise argparse.ArgumentTypeError(f"at most {MAX_WINDOW_S:g} s, got {text}")
+    return x
+
+
+def _non_negative_int(text: str) -> int:
+    (n,) = _non_negative_ints(text)
+    return n
+
+
+def _writable(path: str | Path) -> Path:
+    """``path`` as a file that can be written (its folder exists, it is no folder), checked
+    before any measuring. Raises PlanError."""
+    p = Path(path)
+    if p.is_dir():
+        raise PlanError(f"{p} is a folder: give a file path")
+    if not p.parent.is_dir():
+        raise PlanError(f"{p.parent}: no such folder (for {p})")
+    return p
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise PlanError(f"cannot write {path}: {e.strerror or e}") from None
+
+
 def _trace_arguments(p: argparse.ArgumentParser, what: str) -> None:
     from epd.cli import _positive_int
 
     p.add_argument("--trace", help=what)
     p.add_argument("--limit", type=_positive_int, default=1000, help="trace rows (default: %(default)s)")
-    p.add_argument("--start", type=int, default=0, help="first trace row")
+    p.add_argument("--start", type=_non_negative_int, default=0, help="first trace row (0-based)")
     p.add_argument("--scale", type=positive_float, default=None, help="trace length factor (as epd bench)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="scale the trace's lengths to fit this (as epd bench), unless --scale")
@@ -1145,7 +1207,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                     "`recommend` then predicts with them (Dynamo's planner's correction factors).")
     c.add_argument("--profile", required=True, help="a profile JSON of `epd plan profile`")
     c.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
-    c.add_argument("--window", type=positive_float, default=60.0, help="seconds between the two reads (default: 60)")
+    c.add_argument("--window", type=_window, default=60.0,
+                   help=f"seconds between the two reads (default: 60, at most {MAX_WINDOW_S:g})")
     c.add_argument("--out", help="the corrected profile to write (default: --profile, in place)")
     _trace_arguments(c, "the trace the traffic follows (its lengths, at the observed rate; default: constant "
                         "lengths at the observed means)")
@@ -1183,15 +1246,16 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     try:
+        out = _writable(args.out)
         prof = profile_server(args.url, lengths=args.lengths, repeats=args.repeats, batches=args.batches,
                               contexts=args.contexts, decode_tokens=args.decode_tokens,
                               prefill_background=args.prefill_under_decode,
                               decode_under_prefill=args.decode_under_prefill,
                               prefill_load_tokens=args.prefill_load_tokens, timeout_s=args.timeout,
                               log=lambda m: print(m, file=sys.stderr))
+        _write(out, json.dumps(prof.to_json(), indent=2) + "\n")
     except PlanError as e:
         return _fail(args, str(e))
-    Path(args.out).write_text(json.dumps(prof.to_json(), indent=2) + "\n")
     f, d = prof.prefill, prof.decode
     print(f"profiled {prof.model} on {pools_text(prof.pools)} -> {args.out}\n"
           f"  prefill_s = {f.c0:.4g} + {f.c1:.4g}*n + {f.c2:.4g}*n^2, TTFT overhead {f.overhead_s * 1e3:.1f} ms\n"
@@ -1206,14 +1270,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_correct(args: argparse.Namespace) -> int:
     try:
         prof = load_profile(args.profile)
+        out = _writable(args.out or args.profile)
         work = (trace_workload(args.trace, args.limit, args.start, args.scale, args.max_model_len)
                 if args.trace else None)
-        obs = observe_server(args.url, args.window)
+        obs = observe_server(args.url, args.window, model=prof.model, log=lambda m: print(m, file=sys.stderr))
         cp, cd = fit_corrections(prof, obs, work)
+        _write(out, json.dumps(_corrected(prof, cp, cd, asdict(obs)).to_json(), indent=2) + "\n")
     except PlanError as e:
         return _fail(args, str(e))
-    out = Path(args.out or args.profile)
-    out.write_text(json.dumps(_corrected(prof, cp, cd, asdict(obs)).to_json(), indent=2) + "\n")
     if args.json:
         print(json.dumps({"prefill_correction": cp, "decode_correction": cd, "observed": asdict(obs),
                           "profile": str(out)}))

@@ -461,10 +461,6 @@ def test_a_corrected_profile_round_trips_and_recommend_predicts_with_it(tmp_path
     slow_best, _ = recommend(back, w, ttft_slo_s=0.5, itl_slo_s=0.05)
     assert slow_best.prefill > fast_best.prefill  # 3x slower prefills need more instances
     assert slow_best.itl_p90_s > 1.5 * fast_best.itl_p90_s
-    bad = slow.to_json() | {"prefill_correction": 0}
-    (tmp_path / "bad.json").write_text(json.dumps(bad))
-    with pytest.raises(PlanError, match="prefill_correction must be a finite number > 0"):
-        load_profile(tmp_path / "bad.json")
 
 
 def test_correct_without_a_server_exits_2(tmp_path):
@@ -472,3 +468,46 @@ def test_correct_without_a_server_exits_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "epd.cli", "plan", "correct", "--profile", str(tmp_path / "profile.json"),
                         "--url", "http://127.0.0.1:9", "--window", "0.1"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "cannot read" in r.stderr, r.stderr
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "epd.cli", "plan", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_measuring(tmp_path):
+    """`profile --out` / `correct --out` into a missing folder, or onto a folder, exit 2 naming
+    it before the server is read (the unreachable URL is never reached); `--apply --state`
+    likewise exits 2 (not 1, which means no pool set fits)."""
+    profile(tmp_path)
+    url = "http://127.0.0.1:9"
+    for args in (("profile", "--url", url, "--out", str(tmp_path / "nodir" / "p.json")),
+                 ("correct", "--profile", str(tmp_path / "profile.json"), "--url", url, "--window", "1",
+                  "--out", str(tmp_path / "nodir" / "p.json"))):
+        r = _plan(*args)
+        assert r.returncode == 2 and "no such folder" in r.stderr and "cannot read" not in r.stderr, r.stderr
+    r = _plan("profile", "--url", url, "--out", str(tmp_path))
+    assert r.returncode == 2 and "is a folder" in r.stderr, r.stderr
+    r = _plan("recommend", "--profile", str(tmp_path / "profile.json"), "--isl-mean", "64", "--osl-mean", "8",
+              "--rate", "1", "--ttft-slo", "5", "--itl-slo", "1", "--apply", "--state", str(tmp_path / "no" / "s.json"))
+    assert r.returncode == 2 and "cannot write" in r.stderr, r.stderr
+
+
+def test_bad_trace_rows_and_windows_exit_2(tmp_path):
+    profile(tmp_path)
+    base = ("recommend", "--profile", str(tmp_path / "profile.json"), "--ttft-slo", "5", "--itl-slo", "1")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 10 * i, "input_length": 100, "output_length": 10}) + "\n"
+                             for i in range(3)))
+    r = _plan(*base, "--trace", str(trace), "--start", "2", "--rate", "5")  # one row left: no rate to rescale
+    assert r.returncode == 2 and "at least two distinct arrival times" in r.stderr, r.stderr
+    r = _plan(*base, "--trace", str(trace), "--start", "-1")
+    assert r.returncode == 2 and "must be >= 0" in r.stderr, r.stderr
+    r = _plan("correct", "--profile", str(tmp_path / "profile.json"), "--window", "1e10")
+    assert r.returncode == 2 and "at most 86400" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("value", [True, "2", 1e300, 0, None, [2]])
+def test_a_correction_factor_must_be_a_number_in_the_fitted_range(tmp_path, value):
+    (tmp_path / "p.json").write_text(json.dumps(profile().to_json() | {"decode_correction": value}))
+    with pytest.raises(PlanError, match="decode_correction must be a number within 0.0625..16"):
+        load_profile(tmp_path / "p.json")

@@ -68,8 +68,10 @@ async def send_chat(client, model: str, spec: RequestSpec, rec: RequestRecord, *
             rec.error = "no content in the stream"
     except Exception as e:  # any failure is a result of the benchmark, not a crash of it
         hint = ""
-        if ignore_eos and getattr(e, "status_code", None) in (400, 422):
+        said = f"{e} {getattr(e, 'body', '')}"  # the SDK's message and the parsed error body
+        if ignore_eos and getattr(e, "status_code", None) in (400, 422) and "ignore_eos" in said:
             # ignore_eos is a vLLM extension: OpenAI itself and e.g. `transformers serve` refuse it
+            # (by name; other 400s, e.g. a prompt over max_model_len, get no hint)
             hint = " (the server may not accept the ignore_eos extension: rerun with --no-ignore-eos)"
         rec.ok, rec.error = False, (f"{type(e).__name__}: {e}"[:500] + hint)
     return rec

@@ -36,3 +36,16 @@ def test_a_refused_ignore_eos_names_no_ignore_eos():
     rec = asyncio.run(send_chat(_client(seen), "m", spec, RequestRecord(1, "chat", 0.0), ignore_eos=False))
     assert rec.ok and rec.error is None and rec.finish_reason == "stop"
     assert "ignore_eos" in seen[0] and "ignore_eos" not in seen[1]
+
+
+def test_another_refusal_does_not_blame_ignore_eos():
+    """A 400 for a too-long prompt is not about ignore_eos: no hint to drop it."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {"message": "the prompt has 2689 tokens but max_model_len is 2048",
+                                                   "type": "invalid_request_error"}})
+
+    client = AsyncOpenAI(base_url="http://peer/v1", api_key="x", max_retries=0,
+                         http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    spec = RequestSpec("chat", [{"role": "user", "content": "hi"}], 8)
+    rec = asyncio.run(send_chat(client, "m", spec, RequestRecord(0, "chat", 0.0)))
+    assert not rec.ok and "max_model_len is 2048" in rec.error and "--no-ignore-eos" not in rec.error

@@ -84,18 +84,22 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
     (100-token prompts, 16 tokens out), and a profile that claims both phases take a fraction
     of what they do gets factors above 1 with which the simulation of the observed load gives
     the observed mean TTFT and ITL; the factors are written into the profile, `recommend`
-    reports them, and a server without traffic in the window is a clear error (exit 2)."""
+    reports them, and a server without traffic in the window, or serving another model than the
+    profile's, is a clear error (exit 2)."""
     import dataclasses
     import time
 
     from epd.plan import DecodeFit, Observation, PrefillFit, Profile, load_profile, simulate, synthetic_workload
     from tests.serving.test_diagnose_server import Load, stream_model, tokens
 
-    claimed = Profile(model="m", pools={"prefill": 1, "decode": 1}, prefill=PrefillFit(2e-3, 2e-5, 0.0, 2e-3),
+    claimed = Profile(model="", pools={"prefill": 1, "decode": 1}, prefill=PrefillFit(2e-3, 2e-5, 0.0, 2e-3),
                       decode=DecodeFit(1e-3, 0.0, 0.0), tp={"prefill": 1, "decode": 1})
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps(claimed.to_json()))
+    path, other = tmp_path / "profile.json", tmp_path / "other.json"
     with launch(small_llama, "p:1,d:1", "--kv-cache-memory-gb", "0.05", *THREADS) as server:
+        claimed = dataclasses.replace(claimed, model=server.model)
+        path.write_text(json.dumps(claimed.to_json()))
+        other.write_text(json.dumps(dataclasses.replace(claimed, model="another/model").to_json()))
+        mismatch = plan("correct", "--profile", str(other), "--url", server.url, "--window", "0.5")
         idle = plan("correct", "--profile", str(path), "--url", server.url, "--window", "0.5")
         load = Load(lambda rng: stream_model(server, server.model, tokens(rng, 100), 16), threads=3)
         try:
@@ -103,6 +107,7 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
             r = plan("correct", "--profile", str(path), "--url", server.url, "--window", "4", "--json")
         finally:
             assert load.stop() > 0
+    assert mismatch.returncode == 2 and "the profile is of 'another/model'" in mismatch.stderr, mismatch.stderr
     assert idle.returncode == 2 and "streamed requests are needed" in idle.stderr, idle.stderr
     assert r.returncode == 0, r.stderr + r.stdout
     out = json.loads(r.stdout)
