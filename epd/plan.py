@@ -129,7 +129,8 @@ from pathlib import Path
 
 import numpy as np
 
-from epd.diagnose import MetricsError, Window, metrics_url, positive_float, scrape
+from epd.diagnose import (ITL, PREFILL, PREFIX_QUERIES, TTFT, MetricsError, Window, metrics_url, positive_float,
+                          scrape)
 
 __all__ = ["DecodeFit", "DecodeInterference", "Observation", "PlanError", "PrefillFit", "Profile", "Prediction",
            "Workload", "add_parser", "apply", "fit_corrections", "fit_decode", "fit_decode_interference", "fit_prefill",
@@ -964,8 +965,6 @@ class Observation:
     @classmethod
     def from_window(cls, w: Window) -> "Observation":
         """Raises PlanError when the window has no prefill and decode pool or too few requests."""
-        from epd.diagnose import ITL, PREFILL, PREFIX_QUERIES, TTFT
-
         if not (w.has_pool("prefill") and w.has_pool("decode")):
             raise PlanError(f"the server has no prefill and decode pools to correct (pools: {', '.join(w.pools())})")
         ttft, itl, pre = w.histogram(TTFT, "api"), w.histogram(ITL, "api"), w.histogram(PREFILL, "prefill")
@@ -1092,24 +1091,22 @@ def apply(replicas: dict[str, int], connector: str, *, state: str | Path = "epd-
 
 
 # ---- command line ------------------------------------------------------------------------------
-def _positive_ints(text: str) -> tuple[int, ...]:
+def _ints_at_least(text: str, floor: int) -> tuple[int, ...]:
     try:
         xs = tuple(int(t) for t in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
-    if not xs or min(xs) < 1:
-        raise argparse.ArgumentTypeError(f"every number must be >= 1, got {text!r}")
+    if not xs or min(xs) < floor:
+        raise argparse.ArgumentTypeError(f"every number must be >= {floor}, got {text!r}")
     return xs
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    return _ints_at_least(text, 1)
 
 
 def _non_negative_ints(text: str) -> tuple[int, ...]:
-    try:
-        xs = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
-    if not xs or min(xs) < 0:
-        raise argparse.ArgumentTypeError(f"every number must be >= 0, got {text!r}")
-    return xs
+    return _ints_at_least(text, 0)
 
 
 def _duties(text: str) -> tuple[float, ...]:

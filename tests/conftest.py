@@ -45,6 +45,22 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     return outs
 
 
+def stream_text(url: str, model: str, prompt: list[int], max_tokens: int, on_chunk=None) -> str:
+    """A greedy streamed completion's text (the concatenated chunks), through the openai SDK."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    parts: list[str] = []
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            parts.append(chunk.choices[0].text)
+            if on_chunk is not None:
+                on_chunk(len(parts))
+    return "".join(parts)
+
+
 def metric_sum(text: str, name: str, **labels) -> float:
     """Sum of the samples of metric ``name`` in Prometheus text ``text`` whose labels include ``labels``."""
     import re

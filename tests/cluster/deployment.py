@@ -8,7 +8,7 @@ import time
 import httpx
 
 from tests.cluster.netns import Cluster
-from tests.conftest import metric_sum
+from tests.conftest import metric_sum, stream_text
 
 ROUTER_PORT = 5557
 HTTP_PORT = 8000
@@ -78,19 +78,3 @@ class Deployment:
 
     def metric(self, name: str, **labels) -> float:
         return metric_sum(self.get("/metrics").text, name, **labels)
-
-
-def stream_text(url: str, model: str, prompt: list[int], max_tokens: int, on_chunk=None) -> str:
-    """A greedy streamed completion's text (the concatenated chunks), through the openai SDK."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-    parts: list[str] = []
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            parts.append(chunk.choices[0].text)
-            if on_chunk is not None:
-                on_chunk(len(parts))
-    return "".join(parts)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+from tests.conftest import stream_text
 from tests.serving.conftest import launch
 from tests.serving.test_failures import _metric
 from tests.serving.test_hetero_tp import (BLOCK, MAX_TOKENS, NUM_LAYERS, TEXT_PROMPTS,  # noqa: F401 (fixtures)
@@ -79,18 +80,8 @@ def test_killed_decode_tp_rank_takes_its_instance_down_and_streams_migrate(model
     long = 60
     with launch(models["llama"], "p:1,d:4", "--tp", "p:1,d:2", "--block-size", str(BLOCK), *PER_RANK,
                 "--max-num-seqs", "8") as server:
-        client = server.client()
-
         def complete(prompt, on_chunk=None) -> str:
-            stream = client.completions.create(model=server.model, prompt=prompt, max_tokens=long, stream=True,
-                                               temperature=0, extra_body={"ignore_eos": True})
-            parts = []
-            for c in stream:
-                if c.choices and c.choices[0].text:
-                    parts.append(c.choices[0].text)
-                    if on_chunk is not None:
-                        on_chunk(len(parts))
-            return "".join(parts)
+            return stream_text(server.url, server.model, prompt, long, on_chunk)
 
         with ThreadPoolExecutor(4) as pool:
             want = list(pool.map(complete, prompts))
