@@ -86,6 +86,9 @@ class Metrics:
         worker_failures: worker processes found dead (exited, or silent past the
             heartbeat timeout), by pool and instance.
         worker_restarts: worker processes restarted by the launcher.
+        prompt_tokens: prompt tokens prefilled (cached ones included), counted when each
+            prompt's prefill ends, with its ``epd_prefill_seconds`` sample (vLLM's
+            ``prompt_tokens_total``); over ``epd_prefill_seconds_count``, the mean ISL.
         prefix_cache_queries_tokens: prompt tokens looked up in the prefix cache.
         prefix_cache_hits_tokens: of those, tokens whose KV was reused.
         encoder_cache_queries: multimodal items looked up in the encoder (embedding) cache.
@@ -150,6 +153,7 @@ class Metrics:
     request_retries: object
     worker_failures: object
     worker_restarts: object
+    prompt_tokens: object
     prefix_cache_queries_tokens: object
     prefix_cache_hits_tokens: object
     encoder_cache_queries: object
@@ -208,6 +212,8 @@ _COUNTERS = {
                         "Requests restarted on another instance after a worker of this pool died, hung or failed"),
     "worker_failures": ("epd_worker_failures", "Worker processes of this pool found dead or unresponsive"),
     "worker_restarts": ("epd_worker_restarts", "Worker processes of this pool restarted by the launcher"),
+    "prompt_tokens": ("epd_prompt_tokens", "Prompt tokens prefilled, cached ones included (counted as each "
+                      "prefill ends)"),
     "prefix_cache_queries_tokens": ("epd_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits_tokens": ("epd_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache"),
     "encoder_cache_queries": ("epd_encoder_cache_queries", "Multimodal items looked up in the encoder cache"),

@@ -129,7 +129,7 @@ from pathlib import Path
 
 import numpy as np
 
-from epd.diagnose import (ITL, PREFILL, PREFIX_QUERIES, TTFT, MetricsError, Window, metrics_url, positive_float,
+from epd.diagnose import (ITL, PREFILL, PROMPT_TOKENS, TTFT, MetricsError, Window, metrics_url, positive_float,
                           scrape)
 
 __all__ = ["DecodeFit", "DecodeInterference", "Observation", "PlanError", "PrefillFit", "Profile", "Prediction",
@@ -947,10 +947,10 @@ CORRECTION_RANGE = (1 / 16, 16.0)
 @dataclass(frozen=True, slots=True)
 class Observation:
     """A live server's traffic over a window of its ``/metrics``: ``requests`` whose first
-    token came out in it, ``rate`` (req/s), ``isl_mean`` (prompt tokens per prefill, the
-    prefill pool's prefix-cache queries over its prefills), ``osl_mean`` (output chunks per
-    request: the API's inter-token gaps per request + 1), the API's mean ``ttft_s`` and
-    ``itl_s``, and the live ``prefill`` and ``decode`` instances; ``window_s``: seconds."""
+    token came out in it, ``rate`` (req/s), ``isl_mean`` (prompt tokens per prefill: the
+    prefill pool's ``epd_prompt_tokens_total`` over its prefills, both counted as each ends),
+    ``osl_mean`` (output chunks per request: the API's inter-token gaps per request + 1), the
+    API's mean ``ttft_s`` and ``itl_s``, and the live ``prefill`` and ``decode`` instances; ``window_s``: seconds."""
 
     requests: int
     rate: float
@@ -974,7 +974,7 @@ class Observation:
                             f"{int(itl.count) if itl is not None else 0} later tokens); at least "
                             f"{MIN_OBSERVED_REQUESTS} streamed requests are needed: run the traffic during it, "
                             f"or widen --window")
-        return cls(requests=n, rate=n / w.duration_s, isl_mean=w.counter(PREFIX_QUERIES, pool="prefill") / pre.count,
+        return cls(requests=n, rate=n / w.duration_s, isl_mean=w.counter(PROMPT_TOKENS, pool="prefill") / pre.count,
                    osl_mean=itl.count / n + 1, ttft_s=ttft.mean, itl_s=itl.mean, prefill=w.instances("prefill"),
                    decode=w.instances("decode"), window_s=w.duration_s)
 

@@ -20,6 +20,7 @@ class _Prompt:
 
     first_logprob: TokenLogprob | None = None
     num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
     prefill_s: float = 0.0
     forward_end: float = 0.0
 
@@ -80,6 +81,7 @@ class PrefillWorker(EngineWorker):
             if out.outputs[0].logprobs:
                 prompt.first_logprob = TokenLogprob.from_output(out.outputs[0].logprobs[0])
             prompt.num_cached_tokens = out.num_cached_tokens
+            prompt.num_prompt_tokens = len(out.prompt_token_ids)
             prompt.forward_end = time.monotonic()
             prompt.prefill_s = prompt.forward_end - (self.kv.prefill_start(out.request_id) or t0)
         self._finish_sends()
@@ -105,6 +107,7 @@ class PrefillWorker(EngineWorker):
         start = send.prefill_start or now
         self.observe("kv_transfer", now - send.send_start)
         self.observe("prefill", prompt.prefill_s)
+        self.count("prompt_tokens", prompt.num_prompt_tokens)
         self.observe("prefill_queue", start - send.arrival)
         self.count("kv_transfer_bytes", send.kv_bytes)
         self.send(PrefillDone(send.request_id, self.instance_id, send.first_token, prompt.num_cached_tokens,

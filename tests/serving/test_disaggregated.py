@@ -122,6 +122,8 @@ def test_kv_bytes_moved_equal_request_kv_size(llava_dir):
         moved = sum(float(v) for v in re.findall(r'^epd_kv_transfer_bytes_total\{[^}]*\} ([0-9.e+]+)$', metrics, re.M))
         # tiny llama: 2 layers, 2 KV heads, head_dim 16, fp32; K and V.
         assert moved == 2 * 2 * 6 * 8 * 2 * 16 * 4
+        prefilled = re.findall(r'^epd_prompt_tokens_total\{[^}]*pool="prefill"[^}]*\} ([0-9.e+]+)$', metrics, re.M)
+        assert [float(v) for v in prefilled] == [41.0], prefilled  # counted with the prefill, not by a heartbeat
         for name in ("epd_kv_transfer_seconds_count", "epd_prefill_seconds_count", "epd_decode_step_seconds_count",
                      "epd_time_to_first_token_seconds_count", "epd_e2e_request_latency_seconds_count",
                      "epd_kv_cache_usage_ratio", "epd_prefill_queue_seconds_count"):
