@@ -9,7 +9,9 @@ diverges; each prompt's first divergence is reported), and, on the common prefix
 the log-probability of each chosen token is within ``LOGPROB_TOL`` of the full-precision
 engine's (vLLM's check_logprobs_close, tests/models/utils.py). The agreement floor is
 ``MIN_AGREEMENT`` (measured figures there); the issue's 95 % is not reached on these
-prompts (int8 91.1 %, fp8_e4m3 76.5 %, measured 2026-12-04; epd.kernels.kv_quant).
+prompts (int8 91.1 %, fp8_e4m3 76.5 %, measured 2026-12-04; kernels.kv_quant). Every
+divergence is a near tie: where a prompt diverges, the quantized run's pick is among the
+full-precision run's top ``TOP`` and at most ``TIE_NATS`` below its pick.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ LOGPROB_TOL = {"int8": 0.1, "fp8_e4m3": 0.3}  # nats, p99 (the worst may be twic
 # these by 2-4 points, so the floors sit under every measurement: they catch a broken
 # quantizer or layout, not that noise. The issue's 95 % is not reached on these prompts.
 MIN_AGREEMENT = {"int8": 0.88, "fp8_e4m3": 0.66}
+# Every divergence is a near-tie flip (as vLLM's check_logprobs_close: where the tokens differ,
+# the quantized run's pick is in the full-precision run's TOP logprobs), and the full-precision run scored the quantized run's
+# pick at most TIE_NATS below its own there: twice the logprob tolerance, as a flip moves both
+# tokens' logprobs (measured 2026-12-05: int8 0.037, fp8_e4m3 0.239 nats; of the 1600
+# positions of the full-precision run, 49 have a top-two margin under 0.05 nats, 93 under
+# 0.1). A quantizer or layout fault diverges where the model is sure.
+TOP = 5
+TIE_NATS = {kind: 2 * tol for kind, tol in LOGPROB_TOL.items()}
 SUBJECTS = ["the ocean", "a small robot", "the history of Rome", "prime numbers", "a rainy day", "coffee",
             "the moon landing", "photosynthesis", "a lost cat", "the internet"]
 FORMS = ["Write one sentence about {}.", "Tell me a fact about {}.", "What is interesting about {}?",
@@ -52,8 +62,8 @@ def _generate(model_dir, kv_cache_dtype):
         prompts = [llm.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
                    for m in messages]
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                                                    logprobs=0))
-        return [(list(o.outputs[0].token_ids), [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs], llm
+                                                    logprobs=TOP))
+        return [(list(o.outputs[0].token_ids), list(o.outputs[0].logprobs)) for o in outs], llm
     finally:
         llm.shutdown()
 
@@ -65,20 +75,26 @@ def test_quantized_kv_greedy_agrees_with_full_precision(default_model_dir, kind)
     got, llm = _generate(default_model_dir, kind)
     assert llm.engine.runner.k_cache.dtype == torch.uint8
     agree = total = 0
-    first, diffs = [], []
+    first, diffs, ties = [], [], []
     for (r_ids, r_lps), (q_ids, q_lps) in zip(ref, got):
         agree += sum(a == b for a, b in zip(r_ids, q_ids))
         total += len(r_ids)
         d = next((i for i, (a, b) in enumerate(zip(r_ids, q_ids)) if a != b), None)
         first.append(d)
-        diffs += [abs(r_lps[i] - q_lps[i]) for i in range(len(r_ids) if d is None else d)]  # same prefix
+        diffs += [abs(r_lps[i].logprob - q_lps[i].logprob) for i in range(len(r_ids) if d is None else d)]
+        if d is not None:  # same prefix up to d: the quantized pick is in full precision's top TOP, nearly tied
+            r = r_lps[d]
+            assert q_ids[d] in r.top_ids, (d, r, q_lps[d])
+            ties.append(r.logprob - r.top_logprobs[r.top_ids.index(q_ids[d])])
     diverged = sorted(d for d in first if d is not None)
     diffs.sort()
     p99, worst = diffs[int(0.99 * (len(diffs) - 1))], diffs[-1]
     print(f"\n{kind}: {agree}/{total} greedy tokens agree ({agree / total:.1%}); {len(diverged)} of "
-          f"{len(PROMPTS)} prompts diverge, first divergence at positions {diverged}; chosen-token logprob "
-          f"|diff| on the common prefix: mean {sum(diffs) / len(diffs):.4f}, p99 {p99:.4f}, max {worst:.4f} nats")
+          f"{len(PROMPTS)} prompts diverge, first divergence at positions {diverged}, where full precision scored the "
+          f"quantized pick {max(ties, default=0):.3f} nats below its own at most; chosen-token logprob |diff| on the common "
+          f"prefix: mean {sum(diffs) / len(diffs):.4f}, p99 {p99:.4f}, max {worst:.4f} nats")
     assert p99 < LOGPROB_TOL[kind] and worst < 2 * LOGPROB_TOL[kind], (p99, worst)
+    assert max(ties, default=0) < TIE_NATS[kind], ties
     assert agree >= MIN_AGREEMENT[kind] * total, (agree, total, diverged)
 
 
