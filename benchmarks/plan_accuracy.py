@@ -16,7 +16,7 @@
    against the profile's mean prefill time for the same rows: where the replay's prefill is
    slower than the profile's, the workers interfere (here: the P and D processes share 2 cores).
 
-    python benchmarks/plan_accuracy.py                 # rates 4 and 12 req/s, 120 rows (~4 min on 2 cores)
+    python benchmarks/plan_accuracy.py                 # rates 4, 8 and 12 req/s, 120 rows (~7 min on 2 cores)
     python benchmarks/plan_accuracy.py --rates 8 --rows 60
     python benchmarks/plan_accuracy.py --prefill-under-decode 4   # prefill profiled under decode load
     python benchmarks/plan_accuracy.py --decode-under-prefill 0   # decode profiled with prefill idle only
@@ -113,7 +113,7 @@ def calibrate(model: str, work: Path, profile: Path, rate: float, args: argparse
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 12.0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0, 12.0])
     ap.add_argument("--rows", type=int, default=120)
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--ttft-slo", type=float, default=0.5)
