@@ -133,8 +133,8 @@ from epd.diagnose import (ITL, PREFILL, PROMPT_TOKENS, TTFT, MetricsError, Windo
                           scrape)
 
 __all__ = ["DecodeFit", "DecodeInterference", "Observation", "PlanError", "PrefillFit", "Profile", "Prediction",
-           "Workload", "add_parser", "apply", "fit_corrections", "fit_decode", "fit_decode_interference", "fit_prefill",
-           "kubectl_commands", "load_profile", "observe_server", "profile_server", "recommend", "simulate_decode",
+           "Workload", "add_parser", "apply", "extrapolation_warnings", "fit_corrections", "fit_decode",
+           "fit_decode_interference", "fit_prefill", "kubectl_commands", "load_profile", "observe_server", "profile_server", "recommend", "simulate_decode",
            "simulate_prefill", "synthetic_workload", "trace_workload"]
 
 PROFILE_VERSION = 1
@@ -937,6 +937,21 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
     return best, tried
 
 
+def extrapolation_warnings(profile: Profile, workload: Workload) -> list[str]:
+    """Where ``workload`` leaves what ``profile`` measured, in words: prompts longer than the
+    longest profiled prefill (their prefill time comes from the fit's quadratic, outside the
+    points it was fitted to). Empty for a profile without points (written by hand)."""
+    if not profile.prefill_points or not len(workload.input_len):
+        return []
+    longest = int(max(p[0] for p in profile.prefill_points))
+    over = int((workload.input_len > longest).sum())
+    if not over:
+        return []
+    return [f"{over} of {len(workload.input_len)} prompts are longer than the longest profiled ({longest} "
+            f"tokens; the longest is {int(workload.input_len.max())}): their prefill time is extrapolated from "
+            f"the fit; profile with --lengths up to {int(workload.input_len.max())} to measure it"]
+
+
 # ---- live correction (Dynamo's correction factors) ---------------------------------------------
 #: requests a window must hold for ``epd plan correct`` to fit factors to it
 MIN_OBSERVED_REQUESTS = 10
@@ -1305,6 +1320,9 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         best, tried = recommend(prof, work, args.ttft_slo, args.itl_slo, args.max_devices)
     except PlanError as e:
         return _fail(args, str(e))
+    warnings = extrapolation_warnings(prof, work)
+    for w in warnings:
+        print(f"epd plan recommend: warning: {w}", file=sys.stderr)
     replicas = {"encode": best.encode, "prefill": best.prefill, "decode": best.decode}
     if args.json:
         print(json.dumps({"pools": best.pools, "replicas": replicas, "tp": prof.tp, "meets_slo": best.meets,
@@ -1312,6 +1330,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
                           "slo": {"ttft_s": args.ttft_slo, "itl_s": args.itl_slo}, "workload": work.source,
                           "model": prof.model,
                           "correction": {"prefill": prof.prefill_correction, "decode": prof.decode_correction},
+                          "warnings": warnings,
                           "candidates": [{"pools": c.pools, "ttft_p90_s": c.ttft_p90_s,
                                           "itl_p90_s": None if math.isnan(c.itl_p90_s) else c.itl_p90_s}
                                          for c in tried]}))

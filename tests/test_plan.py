@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from epd.cli import main
-from epd.plan import (DecodeFit, PlanError, PrefillFit, Profile, apply, fit_decode, fit_prefill, kubectl_commands,
-                      load_profile, recommend, simulate_decode, simulate_prefill, synthetic_workload, trace_workload)
+from epd.plan import (DecodeFit, PlanError, PrefillFit, Profile, apply, extrapolation_warnings, fit_decode,
+                      fit_prefill, kubectl_commands, load_profile, recommend, simulate_decode, simulate_prefill, synthetic_workload, trace_workload)
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -511,3 +511,24 @@ def test_a_correction_factor_must_be_a_number_in_the_fitted_range(tmp_path, valu
     (tmp_path / "p.json").write_text(json.dumps(profile().to_json() | {"decode_correction": value}))
     with pytest.raises(PlanError, match="decode_correction must be a number within 0.0625..16"):
         load_profile(tmp_path / "p.json")
+
+
+def test_recommend_warns_where_prompts_pass_the_longest_profiled(tmp_path):
+    """Prompts longer than any the profile measured get a warning naming how many and the
+    longest (stderr and --json "warnings"); a workload within the profiled lengths, or a
+    hand-written profile without points, gets none."""
+    import dataclasses
+
+    measured = dataclasses.replace(profile(), prefill_points=[[64, 0.01, 0.02], [512, 0.03, 0.04]])
+    (tmp_path / "p.json").write_text(json.dumps(measured.to_json()))
+    base = ("recommend", "--profile", str(tmp_path / "p.json"), "--osl-mean", "8", "--rate", "1",
+            "--ttft-slo", "5", "--itl-slo", "1", "--json")
+    long, short = _plan(*base, "--isl-mean", "900"), _plan(*base, "--isl-mean", "512")
+    assert long.returncode == 0 and short.returncode == 0, long.stderr + short.stderr
+    assert json.loads(long.stdout)["warnings"] == [
+        "1000 of 1000 prompts are longer than the longest profiled (512 tokens; the longest is 900): their "
+        "prefill time is extrapolated from the fit; profile with --lengths up to 900 to measure it"]
+    assert "warning: 1000 of 1000 prompts are longer" in long.stderr
+    assert json.loads(short.stdout)["warnings"] == [] and "warning" not in short.stderr
+    w = synthetic_workload(900, 8, rate=1.0, n=10)
+    assert extrapolation_warnings(profile(), w) == []  # no points: nothing to compare with
