@@ -561,6 +561,14 @@ def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 
             pools = {p: w0.instances(p) for p in w0.pools() if p in SERVING_POOLS}
             cap = (max_len - 2) if max_len else None
             lens = sorted({min(n, cap) if cap else n for n in lengths})
+            few = []  # what fit_prefill / fit_decode need, checked before measuring
+            if len(lens) < 2:
+                capped = f" (capped at the model's max_model_len {max_len} - 2)" if cap and max(lengths) > cap else ""
+                few.append(f"--lengths {', '.join(map(str, lens))}{capped}")
+            if len(set(batches)) < 2:
+                few.append(f"--batches {', '.join(map(str, sorted(set(batches))))}")
+            if few:
+                raise PlanError(f"the fits need 2 or more distinct --lengths and --batches; got {' and '.join(few)}")
             vocab_hi = 400  # the tiny models' vocabularies are >= 400; real ones far larger
             _complete(client, base, model, [rng.randrange(10, vocab_hi) for _ in range(16)], 1)  # warm-up
             prefill_points = []

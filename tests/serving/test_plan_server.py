@@ -101,6 +101,10 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
         other.write_text(json.dumps(dataclasses.replace(claimed, model="another/model").to_json()))
         mismatch = plan("correct", "--profile", str(other), "--url", server.url, "--window", "0.5")
         idle = plan("correct", "--profile", str(path), "--url", server.url, "--window", "0.5")
+        # one length (two, capped at the model's context to one) or one batch size cannot be fitted:
+        # refused before anything is measured (no prefill logged)
+        few = [plan("profile", "--url", server.url, "--out", str(tmp_path / "x.json"), *a)
+               for a in (("--lengths", "64"), ("--lengths", "100000,200000"), ("--batches", "4"))]
         load = Load(lambda rng: stream_model(server, server.model, tokens(rng, 100), 16), threads=3)
         try:
             time.sleep(1.0)
@@ -109,6 +113,10 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
             assert load.stop() > 0
     assert mismatch.returncode == 2 and "the profile is of 'another/model'" in mismatch.stderr, mismatch.stderr
     assert idle.returncode == 2 and "streamed requests are needed" in idle.stderr, idle.stderr
+    for f in few:
+        assert f.returncode == 2 and "2 or more distinct --lengths and --batches" in f.stderr, f.stderr
+        assert " ms" not in f.stderr and not (tmp_path / "x.json").exists(), f.stderr  # no timing logged
+    assert "capped at the model's max_model_len" in few[1].stderr, few[1].stderr
     assert r.returncode == 0, r.stderr + r.stdout
     out = json.loads(r.stdout)
     obs = Observation(**out["observed"])
