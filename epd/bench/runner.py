@@ -54,7 +54,7 @@ class BenchConfig:
     request_timeout_s: float = 600.0
     max_concurrency: int | None = None
     progress: bool = True
-    tokens_per_word: float = 1.0
+    tokens_per_word: float | None = None  # None: calibrated on the served model's tokenizer when it is local
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -222,6 +222,25 @@ def _load() -> list[float] | None:
         return None
 
 
+def served_tokens_per_word(model: str) -> tuple[float, str]:
+    """Tokens per word of the synthetic text under the tokenizer of ``model`` (the server's
+    ``/v1/models`` id) when that names a local model directory or epd's embedded default, as
+    vLLM's benchmark defaults ``--tokenizer`` to ``--model``; else 1.0 (a BPE vocabulary's
+    usual figure), with a warning on stderr. Returns ``(tokens_per_word, where it came from)``."""
+    from epd.bench.workloads import calibrate
+    from epd.model_files import resolve_model
+
+    try:
+        path = resolve_model(model)
+        from transformers import AutoTokenizer
+
+        return calibrate(AutoTokenizer.from_pretrained(path, local_files_only=True)), str(path)
+    except Exception as e:  # noqa: BLE001 - any failure leaves the estimate, said on stderr
+        print(f"epd bench: synthetic prompts assume 1.0 tokens per word: the served model {model!r} has no local "
+              f"tokenizer here ({type(e).__name__}); pass --tokenizer DIR to calibrate them", file=sys.stderr)
+        return 1.0, "default"
+
+
 async def run_bench(cfg: BenchConfig) -> dict:
     """Run every rate of ``cfg`` against the server; return the results dict (JSON-ready):
     ``bench`` (settings, server, machine, load averages), ``runs`` (one per rate) and
@@ -242,7 +261,9 @@ async def run_bench(cfg: BenchConfig) -> dict:
             if mml is None:
                 raise ValueError("the server does not report max_model_len; pass --max-model-len")
             opts, scale = trace_options(opts.trace_path, mml, cfg.num_requests, cfg.trace_scale, cfg.trace_start)
-        text = TextMaker(cfg.tokens_per_word)
+        per_word, per_word_from = ((cfg.tokens_per_word, "given") if cfg.tokens_per_word is not None
+                                   else served_tokens_per_word(model))
+        text = TextMaker(per_word)
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         load_before = _load()
         for w in range(cfg.warmup):
@@ -268,6 +289,7 @@ async def run_bench(cfg: BenchConfig) -> dict:
         "workload": cfg.workload, "options": {k: (str(v) if isinstance(v, Path) else v)
                                               for k, v in asdict(opts).items() if k != "trace_rows"},
         "trace_scale": scale, "rates": cfg.rates, "cv": cfg.cv, "num_requests": cfg.num_requests,
+        "tokens_per_word": per_word, "tokens_per_word_from": per_word_from,
         "duration_s": cfg.duration_s, "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "ignore_eos": cfg.ignore_eos,
         "slo": {"ttft_s": cfg.ttft_slo_s, "tpot_s": cfg.tpot_slo_s, "target": cfg.goodput_target},
         "num_devices": devices, "devices_from": devices_from, "machine": _machine(),

@@ -78,10 +78,14 @@ def test_multimodal_and_trace_replay(llava_server, tmp_path):
 
     from epd.bench.workloads import calibrate
 
-    per_word = calibrate(AutoTokenizer.from_pretrained(llava_server.model))  # tiny 512-entry BPE: ~3 tokens a word
+    # no tokenizer given: the served model's own (a local directory) calibrates the synthetic text,
+    # as vLLM's benchmark defaults --tokenizer to --model; this tiny 512-entry BPE: ~3 tokens a word
     res = asyncio.run(run_bench(BenchConfig(
         llava_server.url, workload="trace", rates=[], num_requests=3, trace_speedup=4.0, progress=False,
-        tokens_per_word=per_word, options=WorkloadOptions(trace_path=trace))))
+        options=WorkloadOptions(trace_path=trace))))
+    per_word = calibrate(AutoTokenizer.from_pretrained(llava_server.model))
+    assert res["bench"]["tokens_per_word"] == pytest.approx(per_word) and per_word > 2
+    assert res["bench"]["tokens_per_word_from"] == llava_server.model
     run = res["runs"][0]
     assert run["rate"] is None and len(run["records"]) == 3 and "goodput" not in res
     scale = res["bench"]["trace_scale"]
