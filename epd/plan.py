@@ -1180,11 +1180,25 @@ def _trace_arguments(p: argparse.ArgumentParser, what: str) -> None:
     from epd.cli import _positive_int
 
     p.add_argument("--trace", help=what)
-    p.add_argument("--limit", type=_positive_int, default=1000, help="trace rows (default: %(default)s)")
-    p.add_argument("--start", type=_non_negative_int, default=0, help="first trace row (0-based)")
+    p.add_argument("--limit", type=_positive_int, default=None, help="trace rows (default: 1000)")
+    p.add_argument("--start", type=_non_negative_int, default=None, help="first trace row (0-based; default: 0)")
     p.add_argument("--scale", type=positive_float, default=None, help="trace length factor (as epd bench)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="scale the trace's lengths to fit this (as epd bench), unless --scale")
+
+
+def _trace_workload_of(args: argparse.Namespace, rate: float | None = None) -> Workload | None:
+    """``--trace``'s workload (``--limit`` 1000 and ``--start`` 0 unless given), or None
+    without ``--trace``. Raises PlanError when a trace-only option is given without it."""
+    given = [flag for flag, v in (("--limit", args.limit), ("--start", args.start), ("--scale", args.scale),
+                                  ("--max-model-len", args.max_model_len)) if v is not None]
+    if not args.trace:
+        if given:
+            raise PlanError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --trace only; give "
+                            f"--trace PATH or leave {'it' if len(given) == 1 else 'them'} out")
+        return None
+    return trace_workload(args.trace, 1000 if args.limit is None else args.limit, args.start or 0, args.scale,
+                          args.max_model_len, rate)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -1291,8 +1305,7 @@ def cmd_correct(args: argparse.Namespace) -> int:
     try:
         prof = load_profile(args.profile)
         out = _writable(args.out or args.profile)
-        work = (trace_workload(args.trace, args.limit, args.start, args.scale, args.max_model_len)
-                if args.trace else None)
+        work = _trace_workload_of(args)
         obs = observe_server(args.url, args.window, model=prof.model, log=lambda m: print(m, file=sys.stderr))
         cp, cd = fit_corrections(prof, obs, work)
         _write(out, json.dumps(_corrected(prof, cp, cd, asdict(obs)).to_json(), indent=2) + "\n")
@@ -1317,14 +1330,13 @@ def cmd_correct(args: argparse.Namespace) -> int:
 def cmd_recommend(args: argparse.Namespace) -> int:
     try:
         prof = load_profile(args.profile)
-        if args.trace:
-            if args.isl_mean or args.osl_mean:
-                raise PlanError("give either --trace or --isl-mean/--osl-mean/--rate, not both")
-            work = trace_workload(args.trace, args.limit, args.start, args.scale, args.max_model_len, args.rate)
-        elif args.isl_mean and args.osl_mean and args.rate:
+        if args.trace and (args.isl_mean or args.osl_mean):
+            raise PlanError("give either --trace or --isl-mean/--osl-mean/--rate, not both")
+        work = _trace_workload_of(args, args.rate)
+        if work is None:
+            if not (args.isl_mean and args.osl_mean and args.rate):
+                raise PlanError("a workload is needed: --trace PATH, or --isl-mean N --osl-mean N --rate R")
             work = synthetic_workload(args.isl_mean, args.osl_mean, args.rate, args.num_requests, args.cv, args.seed)
-        else:
-            raise PlanError("a workload is needed: --trace PATH, or --isl-mean N --osl-mean N --rate R")
         best, tried = recommend(prof, work, args.ttft_slo, args.itl_slo, args.max_devices)
     except PlanError as e:
         return _fail(args, str(e))

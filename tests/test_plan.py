@@ -504,6 +504,12 @@ def test_bad_trace_rows_and_windows_exit_2(tmp_path):
     assert r.returncode == 2 and "must be >= 0" in r.stderr, r.stderr
     r = _plan("correct", "--profile", str(tmp_path / "profile.json"), "--window", "1e10")
     assert r.returncode == 2 and "at most 86400" in r.stderr, r.stderr
+    # trace-only options without --trace are refused, not ignored
+    r = _plan(*base, "--isl-mean", "64", "--osl-mean", "8", "--rate", "1", "--limit", "10", "--scale", "0.5")
+    assert r.returncode == 2 and "--limit, --scale apply to --trace only" in r.stderr, r.stderr
+    r = _plan("correct", "--profile", str(tmp_path / "profile.json"), "--url", "http://127.0.0.1:9", "--window",
+              "1", "--start", "0")
+    assert r.returncode == 2 and "--start applies to --trace only" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("value", [True, "2", 1e300, 0, None, [2]])
