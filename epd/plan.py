@@ -134,8 +134,9 @@ from epd.diagnose import (ITL, PREFILL, PROMPT_TOKENS, TTFT, MetricsError, Windo
 
 __all__ = ["DecodeFit", "DecodeInterference", "Observation", "PlanError", "PrefillFit", "Profile", "Prediction",
            "Workload", "add_parser", "apply", "extrapolation_warnings", "fit_corrections", "fit_decode",
-           "fit_decode_interference", "fit_prefill", "kubectl_commands", "load_profile", "observe_server", "profile_server", "recommend", "simulate_decode",
-           "simulate_prefill", "synthetic_workload", "trace_workload"]
+           "fit_decode_interference", "fit_prefill", "kubectl_commands", "load_profile", "observe_server",
+           "profile_server", "recommend", "simulate_decode", "simulate_prefill", "synthetic_workload",
+           "trace_workload"]
 
 PROFILE_VERSION = 1
 DEFAULT_PREFILL_LENGTHS = (64, 128, 256, 512, 1024, 2048)
@@ -973,7 +974,8 @@ class Observation:
     token came out in it, ``rate`` (req/s), ``isl_mean`` (prompt tokens per prefill: the
     prefill pool's ``epd_prompt_tokens_total`` over its prefills, both counted as each ends),
     ``osl_mean`` (output chunks per request: the API's inter-token gaps per request + 1), the
-    API's mean ``ttft_s`` and ``itl_s``, and the live ``prefill`` and ``decode`` instances; ``window_s``: seconds."""
+    API's mean ``ttft_s`` and ``itl_s``, and the live ``prefill`` and ``decode`` instances;
+    ``window_s``: seconds."""
 
     requests: int
     rate: float

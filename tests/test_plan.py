@@ -13,7 +13,8 @@ import pytest
 
 from epd.cli import main
 from epd.plan import (DecodeFit, PlanError, PrefillFit, Profile, apply, extrapolation_warnings, fit_decode,
-                      fit_prefill, kubectl_commands, load_profile, recommend, simulate_decode, simulate_prefill, synthetic_workload, trace_workload)
+                      fit_prefill, kubectl_commands, load_profile, recommend, simulate_decode, simulate_prefill,
+                      synthetic_workload, trace_workload)
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 

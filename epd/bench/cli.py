@@ -82,7 +82,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     w.add_argument("--trace-start", type=int, default=0,
                    help="trace: the first row to replay (0-based; rows before it are skipped)")
     w.add_argument("--trace-speedup", type=float, default=1.0, help="trace without --rate: replay this much faster")
-    w.add_argument("--tokenizer", default=None, help="tokenizer dir to calibrate synthetic text's tokens per word (default: the served "
+    w.add_argument("--tokenizer", default=None,
+                   help="tokenizer dir to calibrate synthetic text's tokens per word (default: the served "
                         "model's, when it is a local directory or the embedded default)")
     o = b.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None,

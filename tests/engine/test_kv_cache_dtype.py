@@ -35,11 +35,11 @@ LOGPROB_TOL = {"int8": 0.1, "fp8_e4m3": 0.3}  # nats, p99 (the worst may be twic
 # quantizer or layout, not that noise. The issue's 95 % is not reached on these prompts.
 MIN_AGREEMENT = {"int8": 0.88, "fp8_e4m3": 0.66}
 # Every divergence is a near-tie flip (as vLLM's check_logprobs_close: where the tokens differ,
-# the quantized run's pick is in the full-precision run's TOP logprobs), and the full-precision run scored the quantized run's
-# pick at most TIE_NATS below its own there: twice the logprob tolerance, as a flip moves both
-# tokens' logprobs (measured 2026-12-05: int8 0.037, fp8_e4m3 0.239 nats; of the 1600
-# positions of the full-precision run, 49 have a top-two margin under 0.05 nats, 93 under
-# 0.1). A quantizer or layout fault diverges where the model is sure.
+# the quantized run's pick is in the full-precision run's TOP logprobs), and the full-precision
+# run scored the quantized run's pick at most TIE_NATS below its own there: twice the logprob
+# tolerance, as a flip moves both tokens' logprobs (measured 2026-12-05: int8 0.037, fp8_e4m3
+# 0.239 nats; of the 1600 positions of the full-precision run, 49 have a top-two margin under
+# 0.05 nats, 93 under 0.1). A quantizer or layout fault diverges where the model is sure.
 TOP = 5
 TIE_NATS = {kind: 2 * tol for kind, tol in LOGPROB_TOL.items()}
 SUBJECTS = ["the ocean", "a small robot", "the history of Rome", "prime numbers", "a rainy day", "coffee",
@@ -91,8 +91,8 @@ def test_quantized_kv_greedy_agrees_with_full_precision(default_model_dir, kind)
     p99, worst = diffs[int(0.99 * (len(diffs) - 1))], diffs[-1]
     print(f"\n{kind}: {agree}/{total} greedy tokens agree ({agree / total:.1%}); {len(diverged)} of "
           f"{len(PROMPTS)} prompts diverge, first divergence at positions {diverged}, where full precision scored the "
-          f"quantized pick {max(ties, default=0):.3f} nats below its own at most; chosen-token logprob |diff| on the common "
-          f"prefix: mean {sum(diffs) / len(diffs):.4f}, p99 {p99:.4f}, max {worst:.4f} nats")
+          f"quantized pick {max(ties, default=0):.3f} nats below its own at most; chosen-token logprob |diff| on the "
+          f"common prefix: mean {sum(diffs) / len(diffs):.4f}, p99 {p99:.4f}, max {worst:.4f} nats")
     assert p99 < LOGPROB_TOL[kind] and worst < 2 * LOGPROB_TOL[kind], (p99, worst)
     assert max(ties, default=0) < TIE_NATS[kind], ties
     assert agree >= MIN_AGREEMENT[kind] * total, (agree, total, diverged)
