@@ -901,12 +901,13 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
                         f"(tp {tp_d}) instance")
     tried: list[Prediction] = []
     seen: dict[tuple[int, int], Prediction] = {}
+    kept = profile.pools.get("encode", 0)  # media is not modelled: the encode pool stays as profiled
 
     def predict(m: int, k: int) -> Prediction:
         if (m, k) not in seen:
             ttft, gaps = simulate(profile, workload, m, k)
             t, g = _p90(ttft), _p90(gaps)
-            seen[m, k] = Prediction(0, m, k, t, g, t <= ttft_slo_s and g <= itl_slo_s)
+            seen[m, k] = Prediction(kept, m, k, t, g, t <= ttft_slo_s and g <= itl_slo_s)
             tried.append(seen[m, k])
         return seen[m, k]
 
@@ -915,14 +916,14 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
             ttft, first, start, done = _prefill_run(workload, profile.prefill, m,
                                                     correction=profile.prefill_correction)
             ttft_p90 = _p90(ttft)
-            tried.append(Prediction(0, m, 0, ttft_p90, math.nan, False))
+            tried.append(Prediction(kept, m, 0, ttft_p90, math.nan, False))
             if ttft_p90 <= ttft_slo_s:
                 break
         slowdown_at = decode_slowdown_at(profile, start, done, m)  # decode under this M's prefills
         for k in range(1, (max_devices - m * tp_p) // tp_d + 1):
             itl_p90 = _p90(simulate_decode(workload, profile.decode, k, first, slowdown_at,
                                            profile.decode_correction))
-            tried.append(Prediction(0, m, k, ttft_p90, itl_p90, ttft_p90 <= ttft_slo_s and itl_p90 <= itl_slo_s))
+            tried.append(Prediction(kept, m, k, ttft_p90, itl_p90, ttft_p90 <= ttft_slo_s and itl_p90 <= itl_slo_s))
             if itl_p90 <= itl_slo_s:
                 break
         return tried[-1], tried
@@ -1098,21 +1099,38 @@ def kubectl_commands(replicas: dict[str, int], namespace: str) -> list[list[str]
 
 def apply(replicas: dict[str, int], connector: str, *, state: str | Path = "epd-plan-replicas.json",
           namespace: str = "epd", dry_run: bool = False, out=print) -> None:
-    """Set each pool's replicas: ``local`` writes them to ``state`` (JSON), ``kubernetes``
-    runs kubectl (``dry_run``: prints the commands). Raises PlanError when kubectl fails."""
+    """Set the replicas of the pools ``replicas`` names (others are left alone): ``local``
+    writes them into ``state`` (JSON, keeping its other pools), ``kubernetes`` runs kubectl
+    (``dry_run``: prints the commands). Raises PlanError when kubectl fails or ``state`` is
+    not a connector state."""
     if connector == "local":
+        merged = {**_state_of(Path(state)), **replicas}  # pools not named keep their replicas
         if dry_run:
-            out(f"would write {json.dumps(replicas)} to {state}")
+            out(f"would write {json.dumps(merged)} to {state}")
             return
-        _write(Path(state), json.dumps(replicas, indent=2) + "\n")
-        out(f"wrote {json.dumps(replicas)} to {state}")
+        _write(Path(state), json.dumps(merged, indent=2) + "\n")
+        out(f"wrote {json.dumps(merged)} to {state}")
         return
     for cmd in kubectl_commands(replicas, namespace):
         out(" ".join(cmd))
         if not dry_run:
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
-                raise PlanError(f"{' '.join(cmd)} failed (exit {r.returncode}): {r.stderr.strip()[:300]}")
+                raise PlanError(f"{' '.join(cmd)} failed (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
+
+
+def _state_of(path: Path) -> dict:
+    """The local connector's replicas so far ({} when the file is missing); raises PlanError
+    when it is not a JSON object of pool -> replicas."""
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"cannot read the local connector's state {path}: {e}") from None
+    if not isinstance(state, dict):
+        raise PlanError(f"{path} is not the local connector's state (a JSON object of pool -> replicas)")
+    return state
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -1257,17 +1275,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--isl-mean", type=_positive_int, help="synthetic workload: input tokens")
     r.add_argument("--osl-mean", type=_positive_int, help="synthetic workload: output tokens")
     r.add_argument("--rate", type=positive_float, help="req/s (synthetic; rescales a trace's times)")
-    r.add_argument("--num-requests", type=_positive_int, default=1000, help="synthetic requests")
-    r.add_argument("--cv", type=positive_float, default=1.0, help="synthetic arrivals' coefficient of variation")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--num-requests", type=_positive_int, default=None, help="synthetic requests (default: 1000)")
+    r.add_argument("--cv", type=positive_float, default=None,
+                   help="synthetic arrivals' coefficient of variation (default: 1, Poisson)")
+    r.add_argument("--seed", type=int, default=None, help="synthetic arrivals' seed (default: 0)")
     r.add_argument("--ttft-slo", type=positive_float, required=True, help="p90 TTFT SLO, seconds")
     r.add_argument("--itl-slo", type=positive_float, required=True, help="p90 ITL SLO, seconds")
     r.add_argument("--max-devices", type=_positive_int, default=16, help="devices for p and d (default: 16)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--apply", action="store_true", help="set the recommended replicas through --connector")
-    r.add_argument("--connector", choices=("local", "kubernetes"), default="local")
-    r.add_argument("--state", default="epd-plan-replicas.json", help="the local connector's JSON file")
-    r.add_argument("--namespace", "-n", default="epd", help="the Deployments' namespace (default: epd)")
+    r.add_argument("--connector", choices=("local", "kubernetes"), default=None, help="with --apply (default: local)")
+    r.add_argument("--state", default=None, help="the local connector's JSON file (default: epd-plan-replicas.json)")
+    r.add_argument("--namespace", "-n", default=None, help="the Deployments' namespace (default: epd)")
     r.add_argument("--dry-run", action="store_true", help="print what --apply would do, change nothing")
     r.set_defaults(func=cmd_recommend)
     return p
@@ -1329,23 +1348,51 @@ def cmd_correct(args: argparse.Namespace) -> int:
     return 0
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
+def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
+    """Which of ``flags`` (``--name``) the command line set (their defaults are None / False)."""
+    return [f for f in flags if getattr(args, f[2:].replace("-", "_")) not in (None, False)]
+
+
+def _refuse_unused(args: argparse.Namespace) -> None:
+    """Raises PlanError for `recommend` options its other options make meaningless."""
+    def refuse(flags: list[str], scope: str) -> None:
+        if flags:
+            raise PlanError(f"{', '.join(flags)} {'applies' if len(flags) == 1 else 'apply'} to {scope}")
+
+    if args.trace:
+        refuse(_given(args, ("--num-requests", "--cv", "--seed")),
+               "synthetic workloads only (--isl-mean, --osl-mean), not to --trace")
+    if not args.apply:
+        refuse(_given(args, ("--connector", "--state", "--namespace", "--dry-run")), "--apply only")
+    elif _or(args.connector, "local") == "local":
+        refuse(_given(args, ("--namespace",)), "--connector kubernetes only")
+    else:
+        refuse(_given(args, ("--state",)), "--connector local only")
+
+
 def cmd_recommend(args: argparse.Namespace) -> int:
     try:
         prof = load_profile(args.profile)
         if args.trace and (args.isl_mean or args.osl_mean):
             raise PlanError("give either --trace or --isl-mean/--osl-mean/--rate, not both")
+        _refuse_unused(args)
         work = _trace_workload_of(args, args.rate)
         if work is None:
             if not (args.isl_mean and args.osl_mean and args.rate):
                 raise PlanError("a workload is needed: --trace PATH, or --isl-mean N --osl-mean N --rate R")
-            work = synthetic_workload(args.isl_mean, args.osl_mean, args.rate, args.num_requests, args.cv, args.seed)
+            work = synthetic_workload(args.isl_mean, args.osl_mean, args.rate, _or(args.num_requests, 1000),
+                                      _or(args.cv, 1.0), _or(args.seed, 0))
         best, tried = recommend(prof, work, args.ttft_slo, args.itl_slo, args.max_devices)
     except PlanError as e:
         return _fail(args, str(e))
     warnings = extrapolation_warnings(prof, work)
     for w in warnings:
         print(f"epd plan recommend: warning: {w}", file=sys.stderr)
-    replicas = {"encode": best.encode, "prefill": best.prefill, "decode": best.decode}
+    replicas = {"prefill": best.prefill, "decode": best.decode}  # the pools it sizes; encode stays as it is
     if args.json:
         print(json.dumps({"pools": best.pools, "replicas": replicas, "tp": prof.tp, "meets_slo": best.meets,
                           "predicted": {"ttft_p90_s": best.ttft_p90_s, "itl_p90_s": best.itl_p90_s},
@@ -1360,7 +1407,8 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         print(f"{best.pools}  (tp p:{prof.tp.get('prefill', 1)},d:{prof.tp.get('decode', 1)})  "
               f"predicted p90 TTFT {best.ttft_p90_s * 1e3:.0f} ms (SLO {args.ttft_slo * 1e3:.0f}), "
               f"p90 ITL {best.itl_p90_s * 1e3:.1f} ms (SLO {args.itl_slo * 1e3:.1f})"
-              + ("" if best.meets else f"  -- NOT met within {args.max_devices} devices"))
+              + ("" if best.meets else f"  -- NOT met within {args.max_devices} devices")
+              + (f"  (encode not modelled: kept at {best.encode})" if best.encode else ""))
         print(f"  {work.source}; profile of {prof.model}"
               + (f"; corrected x{prof.prefill_correction:.2f} prefill, x{prof.decode_correction:.2f} decode"
                  if (prof.prefill_correction, prof.decode_correction) != (1.0, 1.0) else ""), file=sys.stderr)
@@ -1369,7 +1417,8 @@ def cmd_recommend(args: argparse.Namespace) -> int:
               file=sys.stderr)
     elif args.apply:
         try:
-            apply(replicas, args.connector, state=args.state, namespace=args.namespace, dry_run=args.dry_run,
+            apply(replicas, _or(args.connector, "local"), state=_or(args.state, "epd-plan-replicas.json"),
+                  namespace=_or(args.namespace, "epd"), dry_run=args.dry_run,
                   out=(lambda m: print(m, file=sys.stderr)) if args.json else print)
         except PlanError as e:
             return _fail(args, str(e))

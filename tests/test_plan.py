@@ -539,3 +539,43 @@ def test_recommend_warns_where_prompts_pass_the_longest_profiled(tmp_path):
     assert json.loads(short.stdout)["warnings"] == [] and "warning" not in short.stderr
     w = synthetic_workload(900, 8, rate=1.0, n=10)
     assert extrapolation_warnings(profile(), w) == []  # no points: nothing to compare with
+
+
+def test_apply_leaves_the_encode_pool_it_does_not_model(tmp_path):
+    """A profile of e:2,p:1,d:1: `recommend` sizes prefill and decode only; the pools it
+    prints keep e:2, kubectl never scales epd-encode, and the local state file keeps its
+    other keys (Dynamo's planner leaves pools it does not plan alone)."""
+    import dataclasses
+
+    prof = dataclasses.replace(profile(), pools={"encode": 2, "prefill": 1, "decode": 1})
+    (tmp_path / "p.json").write_text(json.dumps(prof.to_json()))
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"encode": 2, "prefill": 1, "decode": 1}))
+    base = ("recommend", "--profile", str(tmp_path / "p.json"), "--isl-mean", "512", "--osl-mean", "32", "--rate",
+            "30", "--num-requests", "300", "--ttft-slo", "0.5", "--itl-slo", "0.05", "--apply")
+    r = _plan(*base, "--json", "--connector", "local", "--state", str(state))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["replicas"] == {"prefill": out["replicas"]["prefill"], "decode": out["replicas"]["decode"]}
+    assert out["replicas"]["prefill"] >= 2 and out["pools"].startswith("e:2,"), out
+    assert json.loads(state.read_text()) == {"encode": 2, **out["replicas"]}
+    r = _plan(*base, "--connector", "kubernetes", "--dry-run")
+    assert r.returncode == 0 and "deployment/epd-prefill" in r.stdout and "epd-encode" not in r.stdout, r.stdout
+
+
+def test_options_that_do_not_apply_are_refused(tmp_path):
+    """Synthetic-only options with --trace, and apply-only options without --apply, exit 2
+    naming them instead of being ignored."""
+    profile(tmp_path)
+    base = ("recommend", "--profile", str(tmp_path / "profile.json"), "--ttft-slo", "5", "--itl-slo", "1")
+    synthetic = ("--isl-mean", "64", "--osl-mean", "8", "--rate", "1")
+    r = _plan(*base, "--trace", str(TRACES / "azure_llm_2023_conv.csv"), "--cv", "3", "--num-requests", "10")
+    assert r.returncode == 2 and "--num-requests, --cv apply to synthetic workloads" in r.stderr, r.stderr
+    for extra, named in ((("--dry-run",), "--dry-run"), (("--connector", "local"), "--connector"),
+                         (("--state", str(tmp_path / "s.json"), "--namespace", "x"), "--state, --namespace")):
+        r = _plan(*base, *synthetic, *extra)
+        assert r.returncode == 2 and f"{named} appl" in r.stderr and "--apply" in r.stderr, r.stderr
+    assert not (tmp_path / "s.json").exists()
+    r = _plan(*base, *synthetic, "--apply", "--connector", "kubernetes", "--state", str(tmp_path / "s.json"),
+              "--dry-run")
+    assert r.returncode == 2 and "--state applies to --connector local only" in r.stderr, r.stderr
