@@ -195,6 +195,8 @@ class Profile:
     streams run while prefill was timed; ``interference``: ``[decode_streams, slowdown,
     overhead_s]`` rows, ascending in streams (see :class:`Interference`), empty when
     prefill was only timed alone. The mirror, decode under prefill:
+    ``seed``: of the random prompts (None: fresh ones on every call, so a second profile of
+    the same server does not time prefix-cache hits of the first one's prompts).
     ``decode_under_prefill``: the prefill duty cycles (0..1) decode was timed under;
     ``decode_under_prefill_tokens``: the input tokens of each background prefill;
     ``decode_under_prefill_points``: ``[duty, prefill_busy, batch, context, itl_s]`` (the
@@ -534,7 +536,7 @@ def _prefill_busy(client, url: str, pool: str, instances: int, seconds: float = 
 def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 3, batches=DEFAULT_BATCHES,
                    contexts=DEFAULT_CONTEXTS, decode_tokens: int = 64, prefill_background: int | tuple[int, ...] = 0,
                    decode_under_prefill: tuple[float, ...] = (), prefill_load_tokens: int = 512,
-                   seed: int = 0, timeout_s: float = 300.0, log=None) -> Profile:
+                   seed: int | None = None, timeout_s: float = 300.0, log=None) -> Profile:
     """Measure ``url``'s prefill and decode (the module docstring says how). Lengths and
     contexts are capped so prompt + output fits the model's ``max_model_len``.
     ``prefill_background``: the decode stream counts prefill is timed under, one pass each

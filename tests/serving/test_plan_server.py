@@ -89,6 +89,10 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
     import dataclasses
     import time
 
+    import httpx
+
+    from tests.serving.test_kv_routing import _counter
+
     from epd.plan import DecodeFit, Observation, PrefillFit, Profile, load_profile, simulate, synthetic_workload
     from tests.serving.test_diagnose_server import Load, stream_model, tokens
 
@@ -105,6 +109,13 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
         # refused before anything is measured (no prefill logged)
         few = [plan("profile", "--url", server.url, "--out", str(tmp_path / "x.json"), *a)
                for a in (("--lengths", "64"), ("--lengths", "100000,200000"), ("--batches", "4"))]
+        # profiling twice sends fresh prompts each time: a rerun timing prefix-cache hits would fit flat
+        quick = ("profile", "--url", server.url, "--lengths", "64,128", "--repeats", "1", "--batches", "1,2",
+                 "--contexts", "64", "--decode-tokens", "4", "--prefill-under-decode", "0",
+                 "--decode-under-prefill", "0")
+        reruns = [plan(*quick, "--out", str(tmp_path / f"q{i}.json")) for i in range(2)]
+        time.sleep(1.0)  # counters reach /metrics with the workers' heartbeats
+        hits = _counter(httpx.get(server.url + "/metrics").text, "epd_prefix_cache_hits_tokens_total", pool="prefill")
         load = Load(lambda rng: stream_model(server, server.model, tokens(rng, 100), 16), threads=3)
         try:
             time.sleep(1.0)
@@ -113,6 +124,8 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
             assert load.stop() > 0
     assert mismatch.returncode == 2 and "the profile is of 'another/model'" in mismatch.stderr, mismatch.stderr
     assert idle.returncode == 2 and "streamed requests are needed" in idle.stderr, idle.stderr
+    assert all(q.returncode == 0 for q in reruns), [q.stderr for q in reruns]
+    assert hits == 0, hits
     for f in few:
         assert f.returncode == 2 and "2 or more distinct --lengths and --batches" in f.stderr, f.stderr
         assert " ms" not in f.stderr and not (tmp_path / "x.json").exists(), f.stderr  # no timing logged
