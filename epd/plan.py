@@ -195,8 +195,6 @@ class Profile:
     streams run while prefill was timed; ``interference``: ``[decode_streams, slowdown,
     overhead_s]`` rows, ascending in streams (see :class:`Interference`), empty when
     prefill was only timed alone. The mirror, decode under prefill:
-    ``seed``: of the random prompts (None: fresh ones on every call, so a second profile of
-    the same server does not time prefix-cache hits of the first one's prompts).
     ``decode_under_prefill``: the prefill duty cycles (0..1) decode was timed under;
     ``decode_under_prefill_tokens``: the input tokens of each background prefill;
     ``decode_under_prefill_points``: ``[duty, prefill_busy, batch, context, itl_s]`` (the
@@ -207,7 +205,8 @@ class Profile:
     (``epd plan correct``, Dynamo's planner's correction factors): ``prefill_correction``
     multiplies every simulated prefill's seconds and ``decode_correction`` every decode
     step's (1: none); ``correction_observed``: the server window they were fitted to
-    (:class:`Observation` as JSON)."""
+    (:class:`Observation` as JSON). ``max_model_len``: the profiled server's context length,
+    tokens (0: unknown), which bounds the workloads ``recommend`` and ``correct`` simulate."""
 
     model: str
     pools: dict[str, int]
@@ -227,6 +226,7 @@ class Profile:
     prefill_correction: float = 1.0
     decode_correction: float = 1.0
     correction_observed: dict = field(default_factory=dict)
+    max_model_len: int = 0
 
     def to_json(self) -> dict:
         return {"version": PROFILE_VERSION, **asdict(self)}
@@ -407,7 +407,8 @@ def load_profile(path: str | Path) -> Profile:
                        decode_interference=[[float(x) for x in row] for row in d.get("decode_interference", [])],
                        prefill_correction=_factor(d.get("prefill_correction", 1.0), "prefill_correction"),
                        decode_correction=_factor(d.get("decode_correction", 1.0), "decode_correction"),
-                       correction_observed=_observed(d.get("correction_observed", {})))
+                       correction_observed=_observed(d.get("correction_observed", {})),
+                       max_model_len=int(d.get("max_model_len") or 0))
     except FileNotFoundError:
         raise PlanError(f"{path}: no such profile (write one with `epd plan profile --url URL --out {path}`)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -541,6 +542,8 @@ def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 
     contexts are capped so prompt + output fits the model's ``max_model_len``.
     ``prefill_background``: the decode stream counts prefill is timed under, one pass each
     (0: prefill alone); two or more give the profile's interference table.
+    ``seed``: of the random prompts (None: fresh ones on every call, so a second profile of
+    the same server does not time prefix-cache hits of the first one's prompts).
     ``decode_under_prefill``: the prefill duty cycles (0..1) one decode point (the middle
     of ``batches``, the shortest context, ``max(3, repeats)`` times) is timed under, with
     background prefills of ``prefill_load_tokens`` input tokens; any duty above 0 gives the
@@ -615,6 +618,10 @@ def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 
                     decode_points.append([batch, ctx + decode_tokens / 2, h.mean])
                     log(f"decode {b:3d} streams (mean batch {batch:4.1f}) context {ctx:5d}: "
                         f"step {h.mean * 1e3:7.2f} ms")
+            if len({round(p[0], 6) for p in decode_points}) < 2:
+                raise PlanError(f"the decode requests of --batches {','.join(map(str, batches))} did not overlap (mean "
+                                f"running batch {decode_points[0][0]:.1f} each time), so the decode fit has one "
+                                f"batch size: raise --decode-tokens (now {decode_tokens}) or the batch sizes")
             dfit = fit_decode(decode_points)
             duties = sorted(set(decode_under_prefill)) if any(d > 0 for d in decode_under_prefill) else []
             dup_points: list[list[float]] = []
@@ -656,7 +663,7 @@ def profile_server(url: str, *, lengths=DEFAULT_PREFILL_LENGTHS, repeats: int = 
                    decode_under_prefill=[float(d) for d in duties],
                    decode_under_prefill_tokens=load_tokens if duties else 0,
                    decode_under_prefill_points=dup_points,
-                   decode_interference=fit_decode_interference(dup_points, dfit))
+                   decode_interference=fit_decode_interference(dup_points, dfit), max_model_len=int(max_len or 0))
 
 
 # ---- the workload and the simulation ---------------------------------------------------------
@@ -1206,12 +1213,14 @@ def _trace_arguments(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--start", type=_non_negative_int, default=None, help="first trace row (0-based; default: 0)")
     p.add_argument("--scale", type=positive_float, default=None, help="trace length factor (as epd bench)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="scale the trace's lengths to fit this (as epd bench), unless --scale")
+                   help="scale the trace's lengths to fit this (as epd bench), unless --scale (default: the "
+                        "profiled server's max_model_len)")
 
 
-def _trace_workload_of(args: argparse.Namespace, rate: float | None = None) -> Workload | None:
-    """``--trace``'s workload (``--limit`` 1000 and ``--start`` 0 unless given), or None
-    without ``--trace``. Raises PlanError when a trace-only option is given without it."""
+def _trace_workload_of(args: argparse.Namespace, prof: Profile, rate: float | None = None) -> Workload | None:
+    """``--trace``'s workload (``--limit`` 1000 and ``--start`` 0 unless given; lengths scaled
+    to fit ``--max-model-len``, else the profile's ``max_model_len``, unless ``--scale``), or
+    None without ``--trace``. Raises PlanError when a trace-only option is given without it."""
     given = [flag for flag, v in (("--limit", args.limit), ("--start", args.start), ("--scale", args.scale),
                                   ("--max-model-len", args.max_model_len)) if v is not None]
     if not args.trace:
@@ -1219,8 +1228,9 @@ def _trace_workload_of(args: argparse.Namespace, rate: float | None = None) -> W
             raise PlanError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --trace only; give "
                             f"--trace PATH or leave {'it' if len(given) == 1 else 'them'} out")
         return None
+    fit_to = args.max_model_len or (None if args.scale is not None else prof.max_model_len or None)
     return trace_workload(args.trace, 1000 if args.limit is None else args.limit, args.start or 0, args.scale,
-                          args.max_model_len, rate)
+                          fit_to, rate)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -1328,8 +1338,12 @@ def cmd_correct(args: argparse.Namespace) -> int:
     try:
         prof = load_profile(args.profile)
         out = _writable(args.out or args.profile)
-        work = _trace_workload_of(args)
+        work = _trace_workload_of(args, prof)
         obs = observe_server(args.url, args.window, model=prof.model, log=lambda m: print(m, file=sys.stderr))
+        if work is not None and not 0.5 <= float(work.input_len.mean()) / obs.isl_mean <= 2:
+            raise PlanError(f"the traffic does not follow --trace: its prompts averaged {obs.isl_mean:.0f} tokens, "
+                            f"the trace's {float(work.input_len.mean()):.0f} (after scaling); fix --scale, or leave "
+                            f"--trace out to simulate the observed means")
         cp, cd = fit_corrections(prof, obs, work)
         _write(out, json.dumps(_corrected(prof, cp, cd, asdict(obs)).to_json(), indent=2) + "\n")
     except PlanError as e:
@@ -1382,10 +1396,13 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         if args.trace and (args.isl_mean or args.osl_mean):
             raise PlanError("give either --trace or --isl-mean/--osl-mean/--rate, not both")
         _refuse_unused(args)
-        work = _trace_workload_of(args, args.rate)
+        work = _trace_workload_of(args, prof, args.rate)
         if work is None:
             if not (args.isl_mean and args.osl_mean and args.rate):
                 raise PlanError("a workload is needed: --trace PATH, or --isl-mean N --osl-mean N --rate R")
+            if prof.max_model_len and args.isl_mean + args.osl_mean > prof.max_model_len:
+                raise PlanError(f"--isl-mean + --osl-mean is {args.isl_mean + args.osl_mean} tokens, beyond the "
+                                f"profiled server's max_model_len {prof.max_model_len}")
             work = synthetic_workload(args.isl_mean, args.osl_mean, args.rate, _or(args.num_requests, 1000),
                                       _or(args.cv, 1.0), _or(args.seed, 0))
         best, tried = recommend(prof, work, args.ttft_slo, args.itl_slo, args.max_devices)

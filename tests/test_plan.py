@@ -579,3 +579,23 @@ def test_options_that_do_not_apply_are_refused(tmp_path):
     r = _plan(*base, *synthetic, "--apply", "--connector", "kubernetes", "--state", str(tmp_path / "s.json"),
               "--dry-run")
     assert r.returncode == 2 and "--state applies to --connector local only" in r.stderr, r.stderr
+
+
+def test_the_profiled_context_length_bounds_the_workload(tmp_path):
+    """A profile records the server's max_model_len: a synthetic ISL + OSL beyond it is
+    refused (exit 2), and a trace is scaled to fit it unless --scale or --max-model-len say
+    otherwise (as `epd bench` replays it)."""
+    import dataclasses
+
+    (tmp_path / "p.json").write_text(json.dumps(dataclasses.replace(profile(), max_model_len=2048).to_json()))
+    assert load_profile(tmp_path / "p.json").max_model_len == 2048
+    base = ("recommend", "--profile", str(tmp_path / "p.json"), "--ttft-slo", "5", "--itl-slo", "1", "--json")
+    r = _plan(*base, "--isl-mean", "50000", "--osl-mean", "64", "--rate", "1")
+    assert r.returncode == 2 and "50064 tokens" in r.stderr and "max_model_len 2048" in r.stderr, r.stderr
+    trace = str(TRACES / "mooncake_conversation_trace.jsonl")
+    r = _plan(*base, "--trace", trace, "--limit", "50", "--rate", "2")
+    assert r.returncode in (0, 1), r.stderr
+    fitted = trace_workload(trace, limit=50, max_model_len=2048, rate=2.0)
+    assert json.loads(r.stdout)["workload"] == fitted.source and "lengths x" in fitted.source
+    r = _plan(*base, "--trace", trace, "--limit", "50", "--rate", "2", "--scale", "1")
+    assert r.returncode in (0, 1) and "lengths x1" in json.loads(r.stdout)["workload"], r.stderr

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.serving.conftest import launch
+from tests.test_plan import TRACES
 from tests.serving.test_diagnose_server import THREADS, small_llama  # noqa: F401 - the widened tiny llama fixture
 
 pytestmark = pytest.mark.slow
@@ -110,8 +111,8 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
         few = [plan("profile", "--url", server.url, "--out", str(tmp_path / "x.json"), *a)
                for a in (("--lengths", "64"), ("--lengths", "100000,200000"), ("--batches", "4"))]
         # profiling twice sends fresh prompts each time: a rerun timing prefix-cache hits would fit flat
-        quick = ("profile", "--url", server.url, "--lengths", "64,128", "--repeats", "1", "--batches", "1,2",
-                 "--contexts", "64", "--decode-tokens", "4", "--prefill-under-decode", "0",
+        quick = ("profile", "--url", server.url, "--lengths", "64,128", "--repeats", "1", "--batches", "1,4",
+                 "--contexts", "64", "--decode-tokens", "16", "--prefill-under-decode", "0",
                  "--decode-under-prefill", "0")
         reruns = [plan(*quick, "--out", str(tmp_path / f"q{i}.json")) for i in range(2)]
         time.sleep(1.0)  # counters reach /metrics with the workers' heartbeats
@@ -120,6 +121,10 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
         try:
             time.sleep(1.0)
             r = plan("correct", "--profile", str(path), "--url", server.url, "--window", "4", "--json")
+            # a trace of multi-thousand-token prompts is not this traffic: refused, nothing written
+            mooncake = plan("correct", "--profile", str(path), "--url", server.url, "--window", "2", "--trace",
+                            str(TRACES / "mooncake_conversation_trace.jsonl"), "--scale", "1", "--out",
+                            str(tmp_path / "mooncake.json"))
         finally:
             assert load.stop() > 0
     assert mismatch.returncode == 2 and "the profile is of 'another/model'" in mismatch.stderr, mismatch.stderr
@@ -131,6 +136,8 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
         assert " ms" not in f.stderr and not (tmp_path / "x.json").exists(), f.stderr  # no timing logged
     assert "capped at the model's max_model_len" in few[1].stderr, few[1].stderr
     assert r.returncode == 0, r.stderr + r.stdout
+    assert mooncake.returncode == 2 and "the traffic does not follow --trace" in mooncake.stderr, mooncake.stderr
+    assert not (tmp_path / "mooncake.json").exists()
     out = json.loads(r.stdout)
     obs = Observation(**out["observed"])
     assert obs.requests >= 10 and (obs.prefill, obs.decode) == (1, 1), obs
