@@ -928,6 +928,12 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
             tried.append(Prediction(kept, m, 0, ttft_p90, math.nan, False))
             if ttft_p90 <= ttft_slo_s:
                 break
+        else:  # none meets the TTFT SLO: the fewest instances as close to it as any
+            closest = min(p.ttft_p90_s for p in tried)
+            m = min(p.prefill for p in tried if p.ttft_p90_s <= closest * 1.02)
+            ttft, first, start, done = _prefill_run(workload, profile.prefill, m,
+                                                    correction=profile.prefill_correction)
+            ttft_p90 = _p90(ttft)
         slowdown_at = decode_slowdown_at(profile, start, done, m)  # decode under this M's prefills
         for k in range(1, (max_devices - m * tp_p) // tp_d + 1):
             itl_p90 = _p90(simulate_decode(workload, profile.decode, k, first, slowdown_at,
@@ -935,7 +941,7 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
             tried.append(Prediction(kept, m, k, ttft_p90, itl_p90, ttft_p90 <= ttft_slo_s and itl_p90 <= itl_slo_s))
             if itl_p90 <= itl_slo_s:
                 break
-        return tried[-1], tried
+        return _closest(tried, ttft_slo_s, itl_slo_s, tp_p, tp_d), tried
     # with interference, prefill slows with the decode streams, which the decode pool's speed sets:
     # the smallest M for the current K, then the smallest K for that M, until neither moves
     m = k = 1
@@ -952,8 +958,22 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
     best = seen[m2, k2]
     if not best.meets:  # the alternation can stop at a pair with a later, smaller one meeting both
         ok = [p for p in seen.values() if p.meets]
-        best = min(ok, key=lambda p: (p.prefill * tp_p + p.decode * tp_d, p.prefill)) if ok else best
+        best = (min(ok, key=lambda p: (p.prefill * tp_p + p.decode * tp_d, p.prefill)) if ok
+                else _closest(tried, ttft_slo_s, itl_slo_s, tp_p, tp_d))
     return best, tried
+
+
+def _closest(tried: list[Prediction], ttft_slo_s: float, itl_slo_s: float, tp_p: int, tp_d: int) -> Prediction:
+    """The smallest of the fully simulated candidates that meets both SLOs, else the smallest of
+    those whose worse SLO ratio (p90 over SLO) is within 2 % of the best one's: more devices
+    that do not bring the prediction closer are not recommended."""
+    full = [p for p in tried if not math.isnan(p.itl_p90_s)]
+    size = lambda p: (p.prefill * tp_p + p.decode * tp_d, p.prefill)  # noqa: E731
+    if any(p.meets for p in full):
+        return min((p for p in full if p.meets), key=size)
+    ratio = {id(p): max(p.ttft_p90_s / ttft_slo_s, p.itl_p90_s / itl_slo_s) for p in full}
+    best = min(ratio.values())
+    return min((p for p in full if ratio[id(p)] <= best * 1.02), key=size)
 
 
 def extrapolation_warnings(profile: Profile, workload: Workload) -> list[str]:
@@ -1408,7 +1428,9 @@ def cmd_recommend(args: argparse.Namespace) -> int:
         best, tried = recommend(prof, work, args.ttft_slo, args.itl_slo, args.max_devices)
     except PlanError as e:
         return _fail(args, str(e))
-    warnings = extrapolation_warnings(prof, work)
+    warnings = extrapolation_warnings(prof, work) + [
+        f"{flag} {v:g} is seconds ({v / 60:.3g} minutes); an SLO in milliseconds is {v / 1e3:g} here"
+        for flag, v, most in (("--ttft-slo", args.ttft_slo, 60.0), ("--itl-slo", args.itl_slo, 5.0)) if v > most]
     for w in warnings:
         print(f"epd plan recommend: warning: {w}", file=sys.stderr)
     replicas = {"prefill": best.prefill, "decode": best.decode}  # the pools it sizes; encode stays as it is
@@ -1419,13 +1441,12 @@ def cmd_recommend(args: argparse.Namespace) -> int:
                           "model": prof.model,
                           "correction": {"prefill": prof.prefill_correction, "decode": prof.decode_correction},
                           "warnings": warnings,
-                          "candidates": [{"pools": c.pools, "ttft_p90_s": c.ttft_p90_s,
-                                          "itl_p90_s": None if math.isnan(c.itl_p90_s) else c.itl_p90_s}
-                                         for c in tried]}))
+                          "candidates": [{"pools": c.pools, "ttft_p90_s": c.ttft_p90_s, "itl_p90_s": c.itl_p90_s}
+                                         for c in tried if not math.isnan(c.itl_p90_s)]}))
     else:
         print(f"{best.pools}  (tp p:{prof.tp.get('prefill', 1)},d:{prof.tp.get('decode', 1)})  "
-              f"predicted p90 TTFT {best.ttft_p90_s * 1e3:.0f} ms (SLO {args.ttft_slo * 1e3:.0f}), "
-              f"p90 ITL {best.itl_p90_s * 1e3:.1f} ms (SLO {args.itl_slo * 1e3:.1f})"
+              f"predicted p90 TTFT {best.ttft_p90_s * 1e3:.0f} ms (SLO {args.ttft_slo * 1e3:.4g}), "
+              f"p90 ITL {best.itl_p90_s * 1e3:.1f} ms (SLO {args.itl_slo * 1e3:.4g})"
               + ("" if best.meets else f"  -- NOT met within {args.max_devices} devices")
               + (f"  (encode not modelled: kept at {best.encode})" if best.encode else ""))
         print(f"  {work.source}; profile of {prof.model}"

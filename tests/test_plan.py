@@ -599,3 +599,20 @@ def test_the_profiled_context_length_bounds_the_workload(tmp_path):
     assert json.loads(r.stdout)["workload"] == fitted.source and "lengths x" in fitted.source
     r = _plan(*base, "--trace", trace, "--limit", "50", "--rate", "2", "--scale", "1")
     assert r.returncode in (0, 1) and "lengths x1" in json.loads(r.stdout)["workload"], r.stderr
+
+
+def test_an_unreachable_slo_names_the_smallest_closest_pools(tmp_path):
+    """No pool set can give a TTFT under one prefill's time: the answer is not the largest
+    set tried but the smallest whose prediction is as close as any (more prefill instances
+    do not shorten a lone prefill); --json lists only fully simulated candidates. SLOs
+    given in what looks like milliseconds get a warning."""
+    w = synthetic_workload(512, 16, rate=0.5, n=100)
+    best, tried = recommend(profile(), w, ttft_slo_s=1e-4, itl_slo_s=1.0)
+    assert not best.meets and (best.prefill, best.decode) == (1, 1), best
+    assert max(p.prefill for p in tried) > 1  # larger sets were tried and were no closer
+    profile(tmp_path)
+    r = _plan("recommend", "--profile", str(tmp_path / "profile.json"), "--isl-mean", "512", "--osl-mean", "16",
+              "--rate", "0.5", "--ttft-slo", "500", "--itl-slo", "20", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "--ttft-slo 500 is seconds" in r.stderr and "--itl-slo 20 is seconds" in r.stderr, r.stderr
+    assert all(c["itl_p90_s"] is not None for c in json.loads(r.stdout)["candidates"])
