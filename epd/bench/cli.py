@@ -12,7 +12,7 @@ from pathlib import Path
 from epd.bench.runner import BenchConfig, format_table, run_bench
 from epd.bench.workloads import WORKLOADS, WorkloadOptions, calibrate
 
-DEFAULT_OUT_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+DEFAULT_OUT_DIR = Path(".")  # the current directory, as vLLM's benchmark writes its results
 
 
 def _rate(text: str) -> float:
@@ -87,7 +87,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "model's, when it is a local directory or the embedded default)")
     o = b.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None,
-                   help="results JSON (default benchmarks/results/bench_<workload>.json); plots next to it")
+                   help="results JSON (default ./bench_<workload>.json); plots next to it")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",

@@ -47,8 +47,8 @@ def test_epd_bench_cli_chat_sweep(llava_server, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "epd.cli", "bench", "--base-url", llava_server.url, "--workload", "chat",
          "--rate", "4", "inf", "-n", "5", "--input-len", "8-24", "--output-len", "6", "--ttft-slo", "30",
-         "--tpot-slo", "5", "--out", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=600)
+         "--tpot-slo", "5", "--no-progress"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)  # no --out: the current directory, as vLLM's
     assert proc.returncode == 0, proc.stderr
     assert "goodput" in proc.stdout and "TTFT p99" in proc.stdout
     res = json.loads(out.read_text())
