@@ -43,7 +43,7 @@ def check_records(run: dict, n: int, output_len: int) -> None:
 
 
 def test_epd_bench_cli_chat_sweep(llava_server, tmp_path):
-    out = tmp_path / "chat.json"
+    out = tmp_path / "bench_chat.json"
     proc = subprocess.run(
         [sys.executable, "-m", "epd.cli", "bench", "--base-url", llava_server.url, "--workload", "chat",
          "--rate", "4", "inf", "-n", "5", "--input-len", "8-24", "--output-len", "6", "--ttft-slo", "30",
@@ -59,7 +59,7 @@ def test_epd_bench_cli_chat_sweep(llava_server, tmp_path):
         check_records(run, 5, 6)
     g = res["goodput"]  # only the finite rate enters the sweep
     assert g["status"] in ("lower_bound", "never_met") and g["per_device"] == pytest.approx(g["rate"] / 2)
-    for name in ("chat_cdf.png", "chat_attainment.png"):
+    for name in ("bench_chat_cdf.png", "bench_chat_attainment.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
