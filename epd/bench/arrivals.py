@@ -47,5 +47,7 @@ def rescale_to_rate(times_s: np.ndarray, rate: float) -> np.ndarray:
     t = t - t.min() if t.size else t
     span = float(t.max()) if t.size else 0.0
     if t.size < 2 or span <= 0:
-        raise ValueError("need at least two distinct arrival times to rescale")
+        raise ValueError(f"need at least two distinct arrival times to rescale to a rate: the {t.size} "
+                         f"request(s) replayed all arrive at once; replay more rows, or leave out the rate to "
+                         f"send them as recorded")
     return t * ((t.size - 1) / rate) / span
