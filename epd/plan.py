@@ -1255,7 +1255,7 @@ def _trace_workload_of(args: argparse.Namespace, prof: Profile, rate: float | No
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand (``profile``, ``recommend``) to an ``argparse`` sub-parser set."""
-    from epd.cli import _positive_int
+    from epd.cli import _non_negative_float, _positive_int
 
     p = sub.add_parser("plan", help="profile a running server and size the pools for a workload and SLOs",
                        description=__doc__.split("\n\n")[0])
@@ -1308,8 +1308,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--osl-mean", type=_positive_int, help="synthetic workload: output tokens")
     r.add_argument("--rate", type=positive_float, help="req/s (synthetic; rescales a trace's times)")
     r.add_argument("--num-requests", type=_positive_int, default=None, help="synthetic requests (default: 1000)")
-    r.add_argument("--cv", type=positive_float, default=None,
-                   help="synthetic arrivals' coefficient of variation (default: 1, Poisson)")
+    r.add_argument("--cv", type=_non_negative_float, default=None,
+                   help="synthetic arrivals' coefficient of variation (default: 1, Poisson; 0: fixed gaps)")
     r.add_argument("--seed", type=int, default=None, help="synthetic arrivals' seed (default: 0)")
     r.add_argument("--ttft-slo", type=positive_float, required=True, help="p90 TTFT SLO, seconds")
     r.add_argument("--itl-slo", type=positive_float, required=True, help="p90 ITL SLO, seconds")

@@ -616,3 +616,6 @@ def test_an_unreachable_slo_names_the_smallest_closest_pools(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "--ttft-slo 500 is seconds" in r.stderr and "--itl-slo 20 is seconds" in r.stderr, r.stderr
     assert all(c["itl_p90_s"] is not None for c in json.loads(r.stdout)["candidates"])
+    r = _plan("recommend", "--profile", str(tmp_path / "profile.json"), "--isl-mean", "512", "--osl-mean", "16",
+              "--rate", "0.5", "--ttft-slo", "5", "--itl-slo", "1", "--cv", "0", "--json")  # fixed gaps, as epd bench
+    assert r.returncode == 0 and "cv 0" in json.loads(r.stdout)["workload"], r.stderr
