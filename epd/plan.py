@@ -1333,6 +1333,9 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     try:
+        if 0 not in args.prefill_under_decode:
+            raise PlanError(f"--prefill-under-decode {','.join(map(str, args.prefill_under_decode))} lacks 0: the "
+                            f"prefill fit is of prefill alone, the other counts give its slowdown (e.g. 0,4,16)")
         out = _writable(args.out)
         prof = profile_server(args.url, lengths=args.lengths, repeats=args.repeats, batches=args.batches,
                               contexts=args.contexts, decode_tokens=args.decode_tokens,

@@ -488,6 +488,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_measuring(tmp_pa
         assert r.returncode == 2 and "no such folder" in r.stderr and "cannot read" not in r.stderr, r.stderr
     r = _plan("profile", "--url", url, "--out", str(tmp_path))
     assert r.returncode == 2 and "is a folder" in r.stderr, r.stderr
+    r = _plan("profile", "--url", url, "--prefill-under-decode", "4")  # no base: the fit would be under load
+    assert r.returncode == 2 and "lacks 0" in r.stderr and "cannot read" not in r.stderr, r.stderr
     r = _plan("recommend", "--profile", str(tmp_path / "profile.json"), "--isl-mean", "64", "--osl-mean", "8",
               "--rate", "1", "--ttft-slo", "5", "--itl-slo", "1", "--apply", "--state", str(tmp_path / "no" / "s.json"))
     assert r.returncode == 2 and "cannot write" in r.stderr, r.stderr
