@@ -18,7 +18,7 @@
 
     python benchmarks/plan_accuracy.py                 # rates 4, 8 and 12 req/s, 120 rows (~7 min on 2 cores)
     python benchmarks/plan_accuracy.py --rates 8 --rows 60
-    python benchmarks/plan_accuracy.py --prefill-under-decode 4   # prefill profiled under decode load
+    python benchmarks/plan_accuracy.py --prefill-under-decode 0,4   # prefill alone and under 4 decode streams
     python benchmarks/plan_accuracy.py --decode-under-prefill 0   # decode profiled with prefill idle only
 
 The table's "uncorrected" columns are the same pools simulated from the profile before
