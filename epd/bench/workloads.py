@@ -128,7 +128,7 @@ class TextMaker:
 def calibrate(tokenizer, sample_words: int = 2000) -> float:
     """Tokens per word of :data:`WORDS` text under ``tokenizer`` (a transformers tokenizer)."""
     text = TextMaker().text(sample_words, np.random.default_rng(0))
-    return len(tokenizer.encode(text, add_special_tokens=False)) / sample_words
+    return len(tokenizer.encode(text, add_special_tokens=False, verbose=False)) / sample_words  # no too-long warning
 
 
 def steady_share(n: int, share: float) -> list[bool]:
