@@ -1248,9 +1248,19 @@ def _trace_workload_of(args: argparse.Namespace, prof: Profile, rate: float | No
             raise PlanError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --trace only; give "
                             f"--trace PATH or leave {'it' if len(given) == 1 else 'them'} out")
         return None
-    fit_to = args.max_model_len or (None if args.scale is not None else prof.max_model_len or None)
-    return trace_workload(args.trace, 1000 if args.limit is None else args.limit, args.start or 0, args.scale,
+    if args.scale is not None and args.max_model_len is not None:
+        raise PlanError("give --scale or --max-model-len, not both (--max-model-len sets the scale)")
+    limit = prof.max_model_len
+    if args.max_model_len is not None and limit and args.max_model_len > limit:
+        raise PlanError(f"--max-model-len {args.max_model_len} is beyond the profiled server's max_model_len {limit}")
+    fit_to = args.max_model_len or (None if args.scale is not None else limit or None)
+    work = trace_workload(args.trace, 1000 if args.limit is None else args.limit, args.start or 0, args.scale,
                           fit_to, rate)
+    over = int((work.input_len + work.output_len > limit).sum()) if limit else 0
+    if over:
+        raise PlanError(f"{over} of {len(work.input_len)} trace rows are longer than the profiled server's "
+                        f"max_model_len {limit} ({work.source}): lower --scale, or leave it out to fit them")
+    return work
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -1394,7 +1404,8 @@ def _or(value, default):
 
 def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
     """Which of ``flags`` (``--name``) the command line set (their defaults are None / False)."""
-    return [f for f in flags if getattr(args, f[2:].replace("-", "_")) not in (None, False)]
+    return [f for f in flags if getattr(args, f[2:].replace("-", "_")) is not None
+            and getattr(args, f[2:].replace("-", "_")) is not False]  # 0 is given: `0 in (None, False)` is True
 
 
 def _refuse_unused(args: argparse.Namespace) -> None:
@@ -1418,7 +1429,7 @@ def cmd_recommend(args: argparse.Namespace) -> int:
     try:
         prof = load_profile(args.profile)
         if args.trace and (args.isl_mean or args.osl_mean):
-            raise PlanError("give either --trace or --isl-mean/--osl-mean/--rate, not both")
+            raise PlanError("give either --trace or --isl-mean/--osl-mean, not both (--rate goes with either)")
         _refuse_unused(args)
         work = _trace_workload_of(args, prof, args.rate)
         if work is None:
@@ -1449,8 +1460,8 @@ def cmd_recommend(args: argparse.Namespace) -> int:
                                          for c in tried if not math.isnan(c.itl_p90_s)]}))
     else:
         print(f"{best.pools}  (tp p:{prof.tp.get('prefill', 1)},d:{prof.tp.get('decode', 1)})  "
-              f"predicted p90 TTFT {best.ttft_p90_s * 1e3:.0f} ms (SLO {args.ttft_slo * 1e3:.4g}), "
-              f"p90 ITL {best.itl_p90_s * 1e3:.1f} ms (SLO {args.itl_slo * 1e3:.4g})"
+              f"predicted p90 TTFT {best.ttft_p90_s * 1e3:.0f} ms (SLO {args.ttft_slo * 1e3:.6g}), "
+              f"p90 ITL {best.itl_p90_s * 1e3:.1f} ms (SLO {args.itl_slo * 1e3:.6g})"
               + ("" if best.meets else f"  -- NOT met within {args.max_devices} devices")
               + (f"  (encode not modelled: kept at {best.encode})" if best.encode else ""))
         print(f"  {work.source}; profile of {prof.model}"

@@ -573,6 +573,8 @@ def test_options_that_do_not_apply_are_refused(tmp_path):
     synthetic = ("--isl-mean", "64", "--osl-mean", "8", "--rate", "1")
     r = _plan(*base, "--trace", str(TRACES / "azure_llm_2023_conv.csv"), "--cv", "3", "--num-requests", "10")
     assert r.returncode == 2 and "--num-requests, --cv apply to synthetic workloads" in r.stderr, r.stderr
+    r = _plan(*base, "--trace", str(TRACES / "azure_llm_2023_conv.csv"), "--cv", "0")  # 0 is given too
+    assert r.returncode == 2 and "--cv applies to synthetic workloads" in r.stderr, r.stderr
     for extra, named in ((("--dry-run",), "--dry-run"), (("--connector", "local"), "--connector"),
                          (("--state", str(tmp_path / "s.json"), "--namespace", "x"), "--state, --namespace")):
         r = _plan(*base, *synthetic, *extra)
@@ -599,8 +601,14 @@ def test_the_profiled_context_length_bounds_the_workload(tmp_path):
     assert r.returncode in (0, 1), r.stderr
     fitted = trace_workload(trace, limit=50, max_model_len=2048, rate=2.0)
     assert json.loads(r.stdout)["workload"] == fitted.source and "lengths x" in fitted.source
-    r = _plan(*base, "--trace", trace, "--limit", "50", "--rate", "2", "--scale", "1")
-    assert r.returncode in (0, 1) and "lengths x1" in json.loads(r.stdout)["workload"], r.stderr
+    r = _plan(*base, "--trace", trace, "--limit", "50", "--rate", "2", "--scale", "0.01")
+    assert r.returncode in (0, 1) and "lengths x0.01" in json.loads(r.stdout)["workload"], r.stderr
+    # an explicit scale or context beyond the server's is refused, as is giving both
+    for extra, said in ((("--scale", "1"), "longer than the profiled server's max_model_len 2048"),
+                        (("--max-model-len", "100000"), "beyond the profiled server's max_model_len 2048"),
+                        (("--scale", "0.01", "--max-model-len", "1000"), "not both")):
+        r = _plan(*base, "--trace", trace, "--limit", "50", "--rate", "2", *extra)
+        assert r.returncode == 2 and said in r.stderr, (extra, r.stderr)
 
 
 def test_an_unreachable_slo_names_the_smallest_closest_pools(tmp_path):
