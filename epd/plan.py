@@ -99,10 +99,11 @@ and ``recommend`` simulates with them. A profile is taken one request or one bat
 workers also share what the profile cannot see (on one host: the API's per-token work, the
 clients, other requests' KV transfers), which the factors absorb.
 
-``--apply`` sets the replicas: ``--connector local`` writes ``{"encode": N, "prefill": M,
-"decode": K}`` to ``--state`` (a JSON file), ``--connector kubernetes`` runs
-``kubectl scale deployment/epd-<pool> --replicas=R -n NS`` for the per-pool Deployments of
-deploy/ (the scale subresource), ``--dry-run`` printing the commands instead.
+``--apply`` sets the prefill and decode replicas (the encode pool, not modelled, is left
+alone): ``--connector local`` writes ``{"prefill": M, "decode": K}`` into ``--state`` (a JSON
+file, keeping its other pools), ``--connector kubernetes`` runs ``kubectl scale
+deployment/epd-<pool> --replicas=R -n NS`` for the per-pool Deployments of deploy/ (the
+scale subresource), ``--dry-run`` printing the commands instead.
 
 Exit codes: 0 done (recommend: the SLOs can be met), 1 no candidate within
 ``--max-devices`` meets them, 2 bad input (a missing or malformed profile or trace, a
@@ -921,19 +922,18 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
         return seen[m, k]
 
     if not profile.interference:  # prefill does not depend on the decode pool: size it first, alone
+        runs = {}
         for m in range(1, (max_devices - tp_d) // tp_p + 1):
-            ttft, first, start, done = _prefill_run(workload, profile.prefill, m,
-                                                    correction=profile.prefill_correction)
-            ttft_p90 = _p90(ttft)
+            runs[m] = _prefill_run(workload, profile.prefill, m, correction=profile.prefill_correction)
+            ttft_p90 = _p90(runs[m][0])
             tried.append(Prediction(kept, m, 0, ttft_p90, math.nan, False))
             if ttft_p90 <= ttft_slo_s:
                 break
         else:  # none meets the TTFT SLO: the fewest instances as close to it as any
             closest = min(p.ttft_p90_s for p in tried)
             m = min(p.prefill for p in tried if p.ttft_p90_s <= closest * 1.02)
-            ttft, first, start, done = _prefill_run(workload, profile.prefill, m,
-                                                    correction=profile.prefill_correction)
-            ttft_p90 = _p90(ttft)
+            ttft_p90 = _p90(runs[m][0])
+        _, first, start, done = runs[m]
         slowdown_at = decode_slowdown_at(profile, start, done, m)  # decode under this M's prefills
         for k in range(1, (max_devices - m * tp_p) // tp_d + 1):
             itl_p90 = _p90(simulate_decode(workload, profile.decode, k, first, slowdown_at,
@@ -957,9 +957,7 @@ def recommend(profile: Profile, workload: Workload, ttft_slo_s: float, itl_slo_s
         m, k = m2, k2
     best = seen[m2, k2]
     if not best.meets:  # the alternation can stop at a pair with a later, smaller one meeting both
-        ok = [p for p in seen.values() if p.meets]
-        best = (min(ok, key=lambda p: (p.prefill * tp_p + p.decode * tp_d, p.prefill)) if ok
-                else _closest(tried, ttft_slo_s, itl_slo_s, tp_p, tp_d))
+        best = _closest(tried, ttft_slo_s, itl_slo_s, tp_p, tp_d)
     return best, tried
 
 
@@ -1241,8 +1239,7 @@ def _trace_workload_of(args: argparse.Namespace, prof: Profile, rate: float | No
     """``--trace``'s workload (``--limit`` 1000 and ``--start`` 0 unless given; lengths scaled
     to fit ``--max-model-len``, else the profile's ``max_model_len``, unless ``--scale``), or
     None without ``--trace``. Raises PlanError when a trace-only option is given without it."""
-    given = [flag for flag, v in (("--limit", args.limit), ("--start", args.start), ("--scale", args.scale),
-                                  ("--max-model-len", args.max_model_len)) if v is not None]
+    given = _given(args, ("--limit", "--start", "--scale", "--max-model-len"))
     if not args.trace:
         if given:
             raise PlanError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --trace only; give "
@@ -1404,8 +1401,8 @@ def _or(value, default):
 
 def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
     """Which of ``flags`` (``--name``) the command line set (their defaults are None / False)."""
-    return [f for f in flags if getattr(args, f[2:].replace("-", "_")) is not None
-            and getattr(args, f[2:].replace("-", "_")) is not False]  # 0 is given: `0 in (None, False)` is True
+    values = {f: getattr(args, f[2:].replace("-", "_")) for f in flags}
+    return [f for f, v in values.items() if v is not None and v is not False]  # 0 is given: 0 == False
 
 
 def _refuse_unused(args: argparse.Namespace) -> None:
