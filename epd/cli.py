@@ -14,9 +14,9 @@ from epd.launch_config import (DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, KV_FAILURE_POL
 from epd.roles import ROLE_NAMES, Role
 
 _KV_CACHE_DTYPE_HELP = ("KV cache: auto (the model's dtype), or quantized, int8 or fp8_e4m3 (fp8): 1 byte a value "
-                        "plus 4 bytes per 16 values of each token and KV head (int8: a float16 scale and min; fp8: "
-                        "a float32 scale): 3.2x the fp32 blocks per GB at head_dim 64; prefill and decode workers "
-                        "must use the same (the router refuses a mismatch)")
+                        "plus 4 bytes per 16 values of each token and KV head (int8: a float16 scale and min, and a "
+                        "full block's K per channel, KIVI-style; fp8: a float32 scale): 3.2x the fp32 blocks per GB "
+                        "at head_dim 64; prefill and decode workers must use the same (the router refuses a mismatch)")
 
 
 _KV_AGENTS_HELP = ("NIXL agents of a tensor-parallel prefill/decode instance: rank0 (one agent, rank 0's, moves a "

@@ -84,7 +84,9 @@ class EngineConfig:
             "fp8_e4m3" ("fp8" too, as vLLM's ``kv_cache_dtype``): 1-byte values and, per 16
             values of each token and KV head, 4 bytes of scales (int8: a float16 scale and
             min; fp8: a float32 scale; ``epd.kernels.kv_quant``): rows of
-            ``head_dim + scale_bytes(head_dim)`` bytes (80 at head_dim 64).
+            ``head_dim + scale_bytes(head_dim)`` bytes (80 at head_dim 64). int8 with
+            ``block_size >= 16`` rewrites each full K block per channel and keeps each
+            decode sequence's open block of K exact beside the cache (``kv_channel_k``).
         device: "cpu" or "cuda"; "auto" picks cuda when available.
         compile: run the model through ``torch.compile`` (dynamic shapes; the attention
             layers' paged kernels stay outside the graph).
@@ -206,6 +208,15 @@ class EngineConfig:
     def kv_quant(self) -> str | None:
         """The quantized KV cache's kind ("int8", "fp8_e4m3"), or None (full precision)."""
         return None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def kv_channel_k(self) -> bool:
+        """Whether the cache keeps full K blocks per channel, with an exact K residual for
+        each decode sequence's partial last block (int8 with ``block_size >= 16``:
+        ``epd.kernels.kv_quant.channel_k``)."""
+        from epd.kernels.kv_quant import channel_k
+
+        return channel_k(self.kv_quant, self.block_size, self.head_dim)
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:

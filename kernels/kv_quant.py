@@ -2,58 +2,64 @@
 the torch reference kernels that write and read it.
 
 A quantized cache is a byte tensor ``[num_blocks, block_size, num_kv_heads, head_dim + S]``
-``uint8``: each (token, head) row holds its ``head_dim`` quantized values and then 4 bytes
-per ``GROUP`` (16) values (``S`` = ``scale_bytes(head_dim)``: 16 bytes for head_dim 64,
-so a row takes 80 bytes where fp32 takes 256: 3.2x):
+``uint8``: each (token, head) row holds its ``head_dim`` 1-byte values and then ``S`` =
+``scale_bytes(head_dim)`` bytes of scales, 4 per ``GROUP`` (16) values (16 bytes at head_dim
+64, so a row takes 80 bytes where fp32 takes 256: 3.2x).
 
-* ``int8`` (asymmetric): each value is ``round((x - min) / scale)`` in 0..255 (uint8), and
-  each group stores ``scale = (max - min) / 255`` and ``min`` as two float16s. Values must
-  lie within float16's range (|x| <= 65504; beyond it they are clamped).
-* ``fp8_e4m3`` (symmetric): each value is ``x / scale`` as float8 e4m3, and each group
-  stores ``scale = absmax / 448`` as one float32.
+* **Rows** (:func:`quantize_kv`). ``int8`` (asymmetric): each value is
+  ``round((x - min) / scale)`` in 0..255, and each group of 16 values stores ``scale =
+  (max - min) / 255`` and ``min`` as two float16s (min rounded down and scale up, so every
+  code lies in 0..255 and the error stays within half a step; values beyond float16's range
+  are clamped). ``fp8_e4m3`` (symmetric): each value is ``x / scale`` as float8 e4m3, and each
+  group stores ``scale = absmax / 448`` as one float32. V is always stored this way, and so
+  are K's rows of a block that is not yet full, and every K row of fp8.
+* **Per-channel K blocks** (int8, ``block_size >= channel_rows(head_dim)``: 16 at head_dim a
+  multiple of 16; :func:`channel_k`). When a step fills a K block, the block is rewritten by
+  :func:`quantize_channels`: each row keeps its 64 codes, now over its channel's [min, max] in
+  the block, and the rows' scale bytes hold the channels' (float16 scale, float16 min) pairs
+  in channel order (4 a row at head_dim 64: rows 0-15 hold channels 0-63). K's outlier
+  channels (RoPE's slow pairs carry a large, nearly constant value) then no longer stretch
+  the steps of the other channels of their row group. The values it quantizes are exact where
+  the step has them (its own rows, the residual) and else the rows as stored.
+* **The K residual** (:class:`KResidual`). Each decode sequence keeps the exact K of the rows
+  its decode steps computed in its open last block (a block of the model's dtype per
+  persistent-batch row, on the worker that decodes); decode attention reads those rows from
+  it until the block fills (:func:`overlay_residual`). The prompt's rows of that block
+  (prefilled here, or on a prefill worker and transferred) stay as stored: the residual
+  never travels.
 
-Scales are per token and head, so a new token never rescales the ones before it, and
-grouped, so K's outlier channels cost precision only within their group.
-
-Free-running greedy agreement with the full-precision cache, through this code, on the 50
-SmolLM2 prompts of tests/engine/test_kv_cache_dtype.py (32 tokens each): int8 93.1 % (9
-prompts diverge, the first at token 9; chosen-token logprob |diff| on the common prefix
-mean 0.0059, p99 0.034 nats), fp8_e4m3 72.2 % (p99 0.146 nats); on 50 other prompts int8
-95.5 %, fp8 64.3 %, so 94.3 % and 68.3 % over the 100. Rerun 2026-12-04 on the test's
-prompts (x86-64, the C++ decode kernel): int8 91.1 %, fp8_e4m3 76.5 %. Earlier, simulated (quantize-dequantize into an fp32 cache, float16 scale
-and min rounded to nearest): int8 with one absmax scale per row 75.6 %, an absmax scale
-per 16 values 93.6-94.3 %, min/max per 16 values 95.4 %; a bf16 cache 96.8 %. The gap
-between 95.4 (simulated) and 93.1 % (real) is the float16 rounding of scale and min, not
-a fault: the same quantizer with both rounded to nearest, through this code, scores
-95.1 % on the test's prompts and 94.9 % on the other 50 (directed: 93.1 and 95.5 %), so a
-sub-ulp change of the scales moves this measure by about 2 points (a few near-tie greedy
-choices flip and the sequence runs apart). The directed rounding stays: it keeps every
-value within half a step (to nearest, an offset group's values below the rounded min are
-clamped, by up to 2^-11 of the min). K carries most of the error (K alone quantized: mean
-|diff| 0.0083 nats, V alone 0.0027). fp8 is held back by its 3 mantissa bits: a float16 scale
-(rounded up) per 8 values instead of a float32 one per 16, the same 4 bytes, scores 75.9 %
-and 73.0 % on the two sets (74.4 % over the 100, simulated into an fp32 cache: +6 points,
-not yet this layout); a centred fp8 did not beat absmax fp8, nor did a Hadamard rotation
-of the rows help int8.
-
-A row and its scales stay together: the KV transfer (NIXL, block by block), the staging
-pack/unpack of heterogeneous TP (head slices) and the prefix cache move rows as opaque
-bytes, unchanged.
+This is KIVI's layout (per-channel K, per-token V, a full-precision window of recent
+tokens), kept within the rows' bytes: the blocks a step has filled never change again, so
+the prefix cache, the P->D transfer (NIXL, block by block), heterogeneous TP's staging
+pack/unpack (head slices: a head's scales sit in its own rows) and migration move bytes,
+unchanged. Greedy agreement with the full-precision cache on 100 SmolLM2 prompts of 32
+tokens (tests/engine/test_kv_cache_dtype.py, 2026-12-05): int8 96.3 % (per-row K scales,
+before: 93.1 %; a bf16 cache 97.9 %), fp8_e4m3 68.8 %. ``benchmarks/kv_quant_schemes.py``
+simulates the layouts tried (its ``kivi`` equals this cache token for token): per-row scales
+per 8 values 95.0 %, the residual with per-row K 95.8 %, per-channel K without the residual
+95.7 %, both (this layout) 96.1 %, and with the prompt's rows of the open block exact too
+98.7 % (a residual that would have to travel P->D). Each half of the prompts moves these by
+up to 3 points, so the first three are not told apart from this one; per-row scales are.
+Earlier (git history) K smoothing, Q-weighted scales, sink tokens in full precision and a
+Hadamard rotation did not help.
 
 On CUDA, :func:`store_quantized_triton` quantizes new rows and writes them in one kernel
-(byte for byte :func:`quantize_kv`'s result), and the Triton decode kernel
-(``paged_attention.paged_decode_attention_triton(kv_quant=...)``) dequantizes rows as it
-loads them. Elsewhere (and for a prefill over a cached prefix) attention dequantizes the
-blocks a step touches into the model's dtype and runs the full-precision kernels on them
-(:func:`dequantize_blocks`).
+(byte for byte :func:`quantize_kv`'s result; the per-channel rewrite of filled blocks and the
+residual are torch, :func:`complete_channel_blocks`), and the Triton decode kernel
+(``paged_attention.paged_decode_attention_triton(kv_quant=..., channel_k=..., resid=...)``)
+dequantizes rows, per-channel blocks and the residual as it loads them. Elsewhere (and for a
+prefill over a cached prefix) attention dequantizes the blocks a step touches into the
+model's dtype and runs the full-precision kernels on them (:func:`dequantize_blocks`).
 
-Source: per-token-head asymmetric scales as in KIVI (Liu et al., 2024, "KIVI: a
-tuning-free asymmetric 2bit quantization for KV cache"; KIVI's per-channel K grouping is
-not used: it would rescale earlier tokens of a block) and vLLM's fp8 KV cache
-(``kv_cache_dtype="fp8_e4m3"``, vllm/attention); the e4m3 range from the OCP FP8 spec.
+Source: KIVI (Liu et al., 2024, "KIVI: a tuning-free asymmetric 2bit quantization for KV
+cache": K per channel over groups of tokens, V per token, a full-precision residual of the
+latest tokens) and vLLM's fp8 KV cache (``kv_cache_dtype="fp8_e4m3"``, vllm/attention); the
+e4m3 range from the OCP FP8 spec.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -71,8 +77,21 @@ def scale_bytes(head_dim: int) -> int:
     float32 scale), or 4 for the whole row when ``GROUP`` does not divide ``head_dim``."""
     return 4 * max(1, head_dim // GROUP) if head_dim % GROUP == 0 else 4
 
-__all__ = ["GROUP", "KV_QUANT", "scale_bytes", "dequantize_blocks", "dequantize_kv", "quantize_kv", "store_quantized",
-           "store_quantized_ref", "store_quantized_triton"]
+def channel_rows(head_dim: int) -> int:
+    """Rows of a block whose scale bytes hold one (float16 scale, float16 min) pair per K
+    channel in the per-channel layout: ``scale_bytes(head_dim) // 4`` pairs a row."""
+    return -(-head_dim // (scale_bytes(head_dim) // 4))
+
+
+def channel_k(kind: str | None, block_size: int, head_dim: int) -> bool:
+    """Whether a cache of ``kind`` keeps full K blocks per channel (module docstring): int8,
+    with ``block_size >= channel_rows(head_dim)`` (16 for head_dim a multiple of 16)."""
+    return kind == "int8" and block_size >= channel_rows(head_dim)
+
+
+__all__ = ["GROUP", "KV_QUANT", "KResidual", "scale_bytes", "channel_k", "channel_rows", "complete_channel_blocks",
+           "dequantize_blocks", "dequantize_channels", "dequantize_kv", "overlay_residual", "quantize_channels",
+           "quantize_kv", "store_quantized", "store_quantized_ref", "store_quantized_triton"]
 
 
 def _round_fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
@@ -137,10 +156,7 @@ def dequantize_kv(packed: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.
         ``[..., head_dim]`` ``dtype``: int8 ``code x scale + min``, fp8 ``value x scale``.
     """
     store, _ = KV_QUANT[kind]
-    n = packed.shape[-1]
-    d = n * GROUP // (GROUP + 4)  # n = d + 4 * d / GROUP when GROUP divides d, else d + 4
-    if n * GROUP % (GROUP + 4) or d % GROUP:
-        d = n - 4
+    d = _head_dim(packed.shape[-1])
     groups = scale_bytes(d) // 4
     lead = packed.shape[:-1]
     values = packed[..., :d].view(store).to(torch.float32).reshape(*lead, groups, d // groups)
@@ -153,8 +169,73 @@ def dequantize_kv(packed: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.
     return out.reshape(*lead, d).to(dtype)
 
 
+def _head_dim(row_bytes: int) -> int:
+    """head_dim of a packed row of ``row_bytes`` (= head_dim + scale_bytes(head_dim))."""
+    d = row_bytes * GROUP // (GROUP + 4)  # n = d + 4 * d / GROUP when GROUP divides d, else d + 4
+    if row_bytes * GROUP % (GROUP + 4) or d % GROUP:
+        d = row_bytes - 4
+    return d
+
+
+def quantize_channels(x: torch.Tensor) -> torch.Tensor:
+    """Pack full K blocks per channel (int8 only; module docstring).
+
+    Args:
+        x: ``[num_blocks, block_size, num_kv_heads, head_dim]``, any float dtype, with
+            ``block_size >= channel_rows(head_dim)``.
+
+    Returns:
+        ``[num_blocks, block_size, num_kv_heads, head_dim + scale_bytes(head_dim)]`` uint8:
+        each row's codes (0..255 over its channel's [min, max] in the block), then in the
+        first ``channel_rows(head_dim)`` rows the channels' float16 (scale, min) pairs,
+        ``scale_bytes(head_dim) // 4`` a row in channel order (the rest zero). As
+        :func:`quantize_kv`, min is rounded down and scale up, so no code is clamped.
+
+    Raises:
+        ValueError: a block too small to hold the channels' scales.
+    """
+    n, bs, heads, d = x.shape
+    pairs, rows = scale_bytes(d) // 4, channel_rows(d)
+    if bs < rows:
+        raise ValueError(f"a block of {bs} rows cannot hold per-channel scales for head_dim {d} (needs {rows})")
+    xf = x.to(torch.float32).clamp(-_FP16_MAX, _FP16_MAX)
+    lo = _round_fp16(xf.amin(dim=1), up=False)  # [n, heads, d] float16
+    scale = _round_fp16((xf.amax(dim=1) - lo.float()) / KV_QUANT["int8"][1], up=True)
+    s = scale.float().unsqueeze(1)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.where(s > 0, (xf - lo.float().unsqueeze(1)) / safe, torch.zeros_like(xf)).round().clamp(0, 255)
+    out = torch.zeros(n, bs, heads, d + 4 * pairs, dtype=torch.uint8, device=x.device)
+    out[..., :d] = q.to(torch.uint8)
+    meta = torch.zeros(n, heads, rows * pairs, 2, dtype=torch.float16, device=x.device)
+    meta[:, :, :d] = torch.stack([scale, lo], dim=-1)
+    meta = meta.view(n, heads, rows, 2 * pairs).transpose(1, 2).contiguous()  # [n, rows, heads, 2 * pairs]
+    out[:, :rows, :, d:] = meta.view(torch.uint8)
+    return out
+
+
+def dequantize_channels(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Unpack blocks :func:`quantize_channels` wrote.
+
+    Args:
+        packed: ``[num_blocks, block_size, num_kv_heads, head_dim + scale_bytes(head_dim)]`` uint8.
+        dtype: the float dtype to return.
+
+    Returns:
+        ``[num_blocks, block_size, num_kv_heads, head_dim]`` ``dtype``: ``code x scale + min``
+        with each channel's scale and min.
+    """
+    n, bs, heads, row = packed.shape
+    d = _head_dim(row)
+    pairs, rows = scale_bytes(d) // 4, channel_rows(d)
+    meta = packed[:, :rows, :, d:].contiguous().view(torch.float16).to(torch.float32)  # [n, rows, heads, 2 * pairs]
+    meta = meta.view(n, rows, heads, pairs, 2).transpose(1, 2).reshape(n, heads, rows * pairs, 2)[:, :, :d]
+    out = packed[..., :d].to(torch.float32) * meta[..., 0].unsqueeze(1) + meta[..., 1].unsqueeze(1)
+    return out.to(dtype)
+
+
 def dequantize_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, kind: str,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      dtype: torch.dtype, context_lens: torch.Tensor | int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The blocks ``block_tables`` names, dequantized into a compact cache, and the tables
     remapped onto it: full-precision attention on the result equals attention on the
     dequantized cache.
@@ -165,6 +246,10 @@ def dequantize_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables
         block_tables: ``[num_seqs, max_blocks]`` or ``[max_blocks]`` int (entries past a
             sequence's context may be any in-range id or negative padding).
         kind: a key of :data:`KV_QUANT`; dtype: the float dtype of the result.
+        context_lens: for a cache that keeps full K blocks per channel (:func:`channel_k`),
+            each sequence's tokens (``[num_seqs]`` int, or an int for a 1-D table): the blocks
+            they fill are read per channel, the last partial one per row. None: every row
+            has its own scales.
 
     Returns:
         ``(k, v, tables)``: ``[n, block_size, num_kv_heads, head_dim]`` ``dtype`` each
@@ -174,7 +259,94 @@ def dequantize_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables
     ids, inverse = torch.unique(flat, return_inverse=True)
     k = dequantize_kv(k_cache.index_select(0, ids), kind, dtype)
     v = dequantize_kv(v_cache.index_select(0, ids), kind, dtype)
+    if context_lens is not None:
+        bs, width = k_cache.shape[1], block_tables.shape[-1]
+        ctx = torch.as_tensor(context_lens, device=flat.device).reshape(-1, 1)
+        filled = ((torch.arange(width, device=flat.device) + 1) * bs <= ctx).reshape(-1)
+        full = torch.zeros(len(ids), dtype=torch.bool, device=flat.device)
+        full[inverse[filled]] = True
+        if bool(full.any()):
+            k[full] = dequantize_channels(k_cache.index_select(0, ids[full]), dtype)
     return k, v, inverse.reshape(block_tables.shape).to(torch.int32)
+
+
+@dataclass(slots=True)
+class KResidual:
+    """Decode sequences' exact K rows of their partial last block (int8 per-channel layout).
+
+    k: ``[rows, block_size, num_kv_heads, head_dim]`` float, one block-sized row per
+    persistent-batch row; rows: ``[num_seqs]`` int, each decode sequence's row of ``k``;
+    start: ``[num_seqs]`` int, the first offset of the sequence's last block the residual
+    holds (rows before it were stored by a prefill or arrived by transfer;
+    ``block_size``: none)."""
+
+    k: torch.Tensor
+    rows: torch.Tensor
+    start: torch.Tensor
+
+
+def overlay_residual(k: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     resid: KResidual) -> None:
+    """Put decode sequences' exact K residual over their partial last block, in place.
+
+    Args:
+        k: ``[n, block_size, num_kv_heads, head_dim]`` float (dequantized blocks).
+        block_tables: ``[num_seqs, max_blocks]`` int indexing ``k``; context_lens: ``[num_seqs]``
+            int, each sequence's tokens, its new one included.
+        resid: the sequences' residual (:class:`KResidual`).
+
+    A block the new token filled is read per channel, not from the residual.
+    """
+    k_resid, rows, resid_from = resid.k, resid.rows, resid.start
+    bs = k.shape[1]
+    last = (context_lens.to(torch.long) - 1)
+    off = last % bs
+    j = torch.arange(bs, device=k.device)
+    m = (j >= resid_from.to(torch.long).unsqueeze(1)) & (j <= off.unsqueeze(1)) & (off < bs - 1).unsqueeze(1)
+    ii, jj = m.nonzero(as_tuple=True)
+    if len(ii):
+        blk = block_tables[ii, last[ii] // bs].to(torch.long)
+        k[blk, jj] = k_resid[rows.to(torch.long)[ii], jj].to(k.dtype)
+
+
+def complete_channel_blocks(key: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            num_decode_tokens: int = 0, resid: KResidual | None = None) -> None:
+    """After a step's rows were stored one by one (:func:`store_quantized`, int8): keep the
+    decode tokens' exact K in the residual, and rewrite each K block this step filled per
+    channel (:func:`quantize_channels`), from exact values where known (this step's rows;
+    the residual's) and else from the rows as stored.
+
+    Args:
+        key: ``[num_tokens, num_kv_heads, head_dim]`` float, the step's K (decode tokens first).
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim + scale_bytes(head_dim)]``
+            uint8, an int8 cache; written in place.
+        slot_mapping: ``[num_tokens]`` int (``< 0``: padding).
+        num_decode_tokens: the first tokens, decode tokens (one a sequence); resid: their
+            residual (:class:`KResidual`; None: none), written here.
+    """
+    bs = k_cache.shape[1]
+    slots = slot_mapping.to(torch.long)
+    nd = num_decode_tokens if resid is not None else 0
+    if nd:
+        k_resid, rows, resid_from = resid.k, resid.rows, resid.start
+        off = slots[:nd] % bs
+        keep = (slots[:nd] >= 0) & (off >= resid_from.to(torch.long))
+        k_resid[rows.to(torch.long)[keep], off[keep]] = key[:nd][keep].to(k_resid.dtype)
+    done = (slots >= 0) & (slots % bs == bs - 1)
+    if not bool(done.any()):
+        return
+    blocks = torch.unique(slots[done] // bs)  # sorted
+    x = dequantize_kv(k_cache.index_select(0, blocks), "int8", torch.float32)
+    b_all = slots.clamp(min=0) // bs
+    idx = torch.searchsorted(blocks, b_all).clamp(max=len(blocks) - 1)
+    hit = (slots >= 0) & (blocks[idx] == b_all)
+    x[idx[hit], slots[hit] % bs] = key[hit].to(torch.float32)
+    if nd:
+        j = torch.arange(bs, device=key.device)
+        m = (done[:nd] & hit[:nd]).unsqueeze(1) & (j >= resid_from.to(torch.long).unsqueeze(1)) & (j < bs - 1)
+        ii, jj = m.nonzero(as_tuple=True)
+        x[idx[ii], jj] = k_resid[rows.to(torch.long)[ii], jj].to(torch.float32)
+    k_cache[blocks] = quantize_channels(x)
 
 
 # --------------------------------------------------------------------------- Triton: quantize + store

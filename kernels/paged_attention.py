@@ -9,9 +9,13 @@ reference dequantizes the blocks the step reads first (``dequantize_blocks``).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from epd.kernels.kv_quant import KResidual
 
 __all__ = [
     "paged_decode_attention",
@@ -258,8 +262,12 @@ def _get_kernel():
         kc_sb, kc_so, kc_sh, kc_sd,  # k_cache strides: block, offset, head, dim
         vc_sb, vc_so, vc_sh, vc_sd,  # v_cache strides
         bt_ss, bt_sb,                # block_tables strides
+        # HAS_RESID: exact K [rows, block, head, dim]; each sequence's row of it; its first offset
+        resid_ptr, resid_rows_ptr, resid_from_ptr,
+        rs_r, rs_o, rs_h, rs_d,      # residual strides
         head_dim,
         qgroup,                      # quantized: values per scale group (>= head_dim: one a row)
+        cpr,                         # CHANNEL_K: per-channel (scale, min) pairs a row
         GROUP: tl.constexpr,         # query heads per kv head
         BLOCK_G: tl.constexpr,       # next_pow2(GROUP)
         BLOCK_SIZE: tl.constexpr,    # cache block size
@@ -267,6 +275,8 @@ def _get_kernel():
         BLOCK_D: tl.constexpr,       # next_pow2(head_dim)
         BF16_RTNE: tl.constexpr,     # interpreter only: round fp32 -> bf16 to nearest even
         QUANT: tl.constexpr,         # 0: float cache; 1: int8 rows; 2: fp8_e4m3 rows (kv_quant layout)
+        CHANNEL_K: tl.constexpr,     # int8: full K blocks are per channel (kv_quant.quantize_channels)
+        HAS_RESID: tl.constexpr,     # CHANNEL_K: the partial last block's K rows from resid_from on are exact
     ):
         # One program per (sequence, kv head): the GROUP query heads sharing that kv head
         # walk the sequence's blocks once, with an online (flash-decoding) softmax in fp32.
@@ -288,6 +298,12 @@ def _get_kernel():
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_G], 0.0, tl.float32)
         acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+
+        if HAS_RESID:
+            rrow = tl.load(resid_rows_ptr + seq).to(tl.int64)
+            rfrom = tl.load(resid_from_ptr + seq).to(tl.int32)
+            last_blk = (ctx - 1) // BLOCK_SIZE
+            last_open = ((ctx - 1) % BLOCK_SIZE) < (BLOCK_SIZE - 1)  # a block the new token filled is per channel
 
         num_steps = (ctx + TOKENS - 1) // TOKENS
         for i in range(0, num_steps):
@@ -314,6 +330,20 @@ def _get_kernel():
                     vm = tl.load((v_row + meta + 2).to(tl.pointer_type(tl.float16)), mask=kv_mask, other=0.0)
                     k = kq.to(tl.float32) * ks.to(tl.float32) + km.to(tl.float32)
                     v = vq.to(tl.float32) * vs.to(tl.float32) + vm.to(tl.float32)
+                    if CHANNEL_K:
+                        # a full block: channel c's (scale, min) at row c // cpr, pair c % cpr
+                        full = (start // BLOCK_SIZE + 1) * BLOCK_SIZE <= ctx
+                        cptr = k_cache_ptr + blk * kc_sb + (d // cpr) * kc_so + kvh * kc_sh + head_dim + (d % cpr) * 4
+                        c_mask = d_mask & full
+                        cs = tl.load(cptr.to(tl.pointer_type(tl.float16)), mask=c_mask, other=0.0).to(tl.float32)
+                        cm = tl.load((cptr + 2).to(tl.pointer_type(tl.float16)), mask=c_mask, other=0.0).to(tl.float32)
+                        k = tl.where(full, kq.to(tl.float32) * cs[None, :] + cm[None, :], k)
+                        if HAS_RESID:
+                            use = t_mask & (slot >= rfrom) & last_open & ((start // BLOCK_SIZE) == last_blk)
+                            r_mask = use[:, None] & d_mask[None, :]
+                            r_row = resid_ptr + rrow * rs_r + slot[:, None] * rs_o + kvh * rs_h
+                            kr = tl.load(r_row + d[None, :] * rs_d, mask=r_mask, other=0.0).to(tl.float32)
+                            k = tl.where(r_mask, kr, k)
                 else:
                     ks = tl.load((k_row + meta).to(tl.pointer_type(tl.float32)), mask=kv_mask, other=0.0)
                     vs = tl.load((v_row + meta).to(tl.pointer_type(tl.float32)), mask=kv_mask, other=0.0)
@@ -354,7 +384,8 @@ def _next_pow2(x: int) -> int:
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                  scale: float, kv_quant: str | None = None) -> torch.Tensor:
+                                  scale: float, kv_quant: str | None = None, channel_k: bool = False,
+                                  resid: "KResidual | None" = None) -> torch.Tensor:
     """Triton version of :func:`paged_decode_attention_ref` (same arguments and result).
 
     Grid ``(num_seqs, num_kv_heads)``: each program serves the ``num_heads // num_kv_heads``
@@ -369,12 +400,17 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     num_kv_heads, head_dim + scale_bytes(head_dim)]`` uint8 rows (``epd.kernels.kv_quant``,
     contiguous rows); each K/V row is dequantized to fp32 as it is loaded (int8
     ``code x scale + min``, fp8 ``value x scale``), so the result equals attention over the
-    dequantized cache up to fp32 rounding.
+    dequantized cache up to fp32 rounding. ``channel_k`` (int8): the K blocks a sequence
+    fills are per channel (``kv_quant.quantize_channels``), and ``resid`` (a
+    ``kv_quant.KResidual``) holds exact K rows of each sequence's partial last block,
+    read in place of the stored ones (``kv_quant.overlay_residual``).
 
     Raises:
         ValueError: shapes or dtypes that do not fit (a quantized row of another length).
     """
     _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant)
+    if (channel_k or resid is not None) and kv_quant != "int8":
+        raise ValueError(f"per-channel K blocks and a K residual are an int8 layout, got kv_quant={kv_quant!r}")
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     quant = {None: 0, "int8": 1, "fp8_e4m3": 2}[kv_quant]
@@ -382,6 +418,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         raise ValueError(f"a quantized cache needs contiguous rows and head_dim % 4 == 0 (aligned scales), "
                          f"got strides {k_cache.stride()} and head_dim {head_dim}")
     from epd.kernels.kv_quant import GROUP as QGROUP
+    from epd.kernels.kv_quant import scale_bytes
 
     qgroup = QGROUP if head_dim % QGROUP == 0 else max(head_dim, 1)
     group = num_heads // num_kv_heads
@@ -404,9 +441,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         block_tables.stride(0), block_tables.stride(1),
-        head_dim, qgroup,
+        *((resid.k, resid.rows, resid.start, *resid.k.stride()) if resid is not None
+          else (k_cache, context_lens, context_lens, 0, 0, 0, 0)),
+        head_dim, qgroup, max(1, scale_bytes(head_dim) // 4),
         GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d,
         BF16_RTNE=_interpret_mode() and q.dtype == torch.bfloat16, QUANT=quant,
+        CHANNEL_K=bool(channel_k), HAS_RESID=resid is not None,
     )
     return out
 
@@ -429,7 +469,8 @@ def _triton_importable() -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, kv_quant: str | None = None) -> torch.Tensor:
+                           scale: float, kv_quant: str | None = None, channel_k: bool = False,
+                           resid: "KResidual | None" = None) -> torch.Tensor:
     """Paged decode attention: Triton when all tensors are on CUDA and triton imports, else
     :func:`paged_decode_attention_ref`. q ``[num_seqs, num_heads, head_dim]``, caches
     ``[num_blocks, block_size, num_kv_heads, head_dim]``, block_tables
@@ -440,15 +481,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     ``kv_quant`` ("int8", "fp8_e4m3"): the caches are quantized uint8 rows
     (``epd.kernels.kv_quant``); the Triton kernel reads them in place, the other paths
-    dequantize the blocks the step reads (``dequantize_blocks``) and attend to those."""
+    dequantize the blocks the step reads (``dequantize_blocks``) and attend to those;
+    ``channel_k`` and ``resid``: as :func:`paged_decode_attention_triton`."""
     if (q.is_cuda and k_cache.is_cuda and v_cache.is_cuda and block_tables.is_cuda
             and context_lens.is_cuda and _triton_importable() and (kv_quant is None or q.shape[-1] % 4 == 0)):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, kv_quant)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, kv_quant,
+                                             channel_k, resid)
     if kv_quant is not None:
-        from epd.kernels.kv_quant import dequantize_blocks
+        from epd.kernels.kv_quant import dequantize_blocks, overlay_residual
 
         _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant)
-        k_cache, v_cache, block_tables = dequantize_blocks(k_cache, v_cache, block_tables, kv_quant, q.dtype)
+        if (channel_k or resid is not None) and kv_quant != "int8":
+            raise ValueError(f"per-channel K blocks and a K residual are an int8 layout, got kv_quant={kv_quant!r}")
+        k_cache, v_cache, block_tables = dequantize_blocks(k_cache, v_cache, block_tables, kv_quant, q.dtype,
+                                                           context_lens if channel_k else None)
+        if resid is not None:
+            overlay_residual(k_cache, block_tables, context_lens, resid)
     if (not q.is_cuda and not k_cache.is_cuda and q.dtype in (torch.float32, torch.bfloat16)
             and k_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()):
         from epd.kernels import cpu_attention

@@ -38,6 +38,9 @@ class InputBatch:
         self.token_ids = np.zeros((max(max_num_seqs, 1), max(max_model_len, 1)), dtype=np.int32)
         self.num_token_ids = np.zeros(self.token_ids.shape[0], dtype=np.int64)
         self.sent_blocks = np.zeros(self.token_ids.shape[0], dtype=np.int64)
+        # [rows] int64: the first position a decode step of the row's sequence computed here
+        # (StepInput.resid_start), -1 before its first
+        self.resid_start = np.full(self.token_ids.shape[0], -1, dtype=np.int64)
         self.row_of: dict[int, int] = {}  # seq_id -> row
         self._free_rows = list(range(self.token_ids.shape[0] - 1, -1, -1))
 
@@ -79,6 +82,8 @@ class InputBatch:
                 new_blocks.extend(bt[sent:])
                 self.sent_blocks[row] = len(bt)
             rows[k], starts[k], counts[k] = row, s.start, s.num_tokens
+            if s.num_tokens == 1 and s.start >= seq.num_prompt_tokens and self.resid_start[row] < 0:
+                self.resid_start[row] = s.start  # the sequence's first decode step on this worker
         update.blocks = np.asarray(new_blocks, dtype=np.int32).tobytes()
         q_end = np.cumsum(counts)
         seg = np.repeat(np.arange(n), counts)
@@ -106,7 +111,8 @@ class InputBatch:
             mrope = np.concatenate([s.seq.mrope_positions(s.start, s.num_tokens) for s in scheduled],
                                    axis=1).astype(np.int64).tobytes()
         step = StepInput(input_ids.tobytes(), rows.tobytes(), starts.tobytes(), counts.tobytes(), nd, update,
-                         logits_indices, seq_ids, mm_rows, mrope_positions=mrope)
+                         logits_indices, seq_ids, mm_rows, mrope_positions=mrope,
+                         resid_start=self.resid_start[rows[:nd]].tobytes())
         return step, (torch.cat(mm_parts) if mm_parts else None)
 
     def _new_row(self, seq_id: int) -> int:
@@ -118,6 +124,7 @@ class InputBatch:
         self.row_of[seq_id] = row
         self.num_token_ids[row] = 0
         self.sent_blocks[row] = 0
+        self.resid_start[row] = -1
         return row
 
     def _sync_tokens(self, row: int, token_ids: list[int]) -> None:
@@ -136,7 +143,7 @@ class InputBatch:
         old = self.token_ids
         self.token_ids = np.zeros((rows, cols), dtype=np.int32)
         self.token_ids[:old.shape[0], :old.shape[1]] = old
-        for name in ("num_token_ids", "sent_blocks"):
-            arr = np.zeros(rows, dtype=np.int64)
+        for name in ("num_token_ids", "sent_blocks", "resid_start"):
+            arr = np.full(rows, -1 if name == "resid_start" else 0, dtype=np.int64)
             arr[:len(getattr(self, name))] = getattr(self, name)
             setattr(self, name, arr)

@@ -139,6 +139,9 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.k_cache[i], self.v_cache[i]
             layer.layer_idx = i
             layer.kv_quant = config.kv_quant
+            layer.channel_k = config.kv_channel_k
+        self._attn_layers = attn_layers
+        self.k_resid = torch.empty(0)
         self.forward = torch.compile(self.model, dynamic=True) if config.compile else self.model
         self.graphs = None
         if config.graph_sizes():
@@ -320,6 +323,8 @@ class ModelRunner:
                 inputs_embeds[dst:dst + n] = mm_embeds[src:src + n]
                 src += n
         nd = lay.num_decode_tokens
+        if self.config.kv_channel_k and nd and bool((lay.decode_resid_from < self.config.block_size).any()):
+            self._reserve_residual(int(lay.decode_rows.max()) + 1)
         md = AttentionMetadata(
             slot_mapping=lay.slot_mapping.to(dev),
             num_decode_tokens=nd,
@@ -327,6 +332,8 @@ class ModelRunner:
             decode_context_lens=lay.decode_context_lens.to(dev) if nd else None,
             prefills=[PrefillChunk(q0, n, ctx, bt.to(dev)) for q0, n, ctx, bt in lay.prefills],
             layer_hook=self._layer_hook(step, layer_hook),
+            decode_rows=lay.decode_rows.to(dev) if nd else None,
+            decode_resid_from=lay.decode_resid_from.to(dev) if nd else None,
         )
         try:
             with set_attention_metadata(md):
@@ -339,6 +346,24 @@ class ModelRunner:
         if layer_hook is not None and self.config.tensor_parallel_size > 1:
             layer_hook(self.k_cache.shape[0] - 1)
         return self._logits(step, hidden)
+
+    def _reserve_residual(self, rows: int) -> None:
+        """Grow the int8 cache's K residual (``kv_quant.KResidual``) to at least ``rows``
+        persistent-batch rows: [num_layers, rows, block_size, num_kv_heads / tp, head_dim]
+        in the model's dtype, a block of exact K a running decode sequence (outside
+        ``kv_cache_memory_gb``: ``max_num_seqs`` rows at most, 23.6 MB for SmolLM2 at fp32
+        and 64 sequences)."""
+        have = self.k_resid.shape[1] if self.k_resid.dim() == 5 else 0
+        if rows <= have:
+            return
+        c = self.config
+        new = torch.zeros(self.k_cache.shape[0], max(rows, min(2 * have, c.max_num_seqs)), c.block_size,
+                          self.k_cache.shape[3], c.head_dim, dtype=c.torch_dtype, device=self.device)
+        if have:
+            new[:, :have] = self.k_resid
+        self.k_resid = new
+        for i, layer in enumerate(self._attn_layers):
+            layer.k_resid = new[i]
 
     def _logits(self, step: StepInput, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(logits_indices), vocab] (on the CPU) of the step's sampled rows."""

@@ -53,6 +53,10 @@ class StepInput(msgspec.Struct, tag="step"):
     # [3, num_tokens] int64 bytes: M-RoPE positions (time, height, width) when a scheduled
     # sequence has them (Qwen-VL media, ``Sequence.mrope``); empty: positions are the indices.
     mrope_positions: bytes = b""
+    # [num_decode_tokens] int64 bytes: for each decode sequence, the first position whose K
+    # this worker's decode steps computed (its residual may hold the rows from there on:
+    # kv_quant.KResidual), or -1 while it has none; empty: -1 for all.
+    resid_start: bytes = b""
 
     @property
     def num_tokens(self) -> int:
@@ -72,7 +76,10 @@ class StepLayout:
     (``StepInput.mrope_positions``). decode_block_tables: [num_decode_tokens, decode_width] int32,
     rows padded with -1; decode_context_lens: [num_decode_tokens] int32 (tokens each
     decode attends to, its own included). prefills: (q_start, q_len, context_len,
-    block_table [ceil(context_len / block_size)] int32) per chunk.
+    block_table [ceil(context_len / block_size)] int32) per chunk. decode_rows:
+    [num_decode_tokens] int64, each decode's persistent-batch row; decode_resid_from:
+    [num_decode_tokens] int64, the first offset of its last block whose K its residual
+    holds (block_size: none; ``StepInput.resid_start``).
     """
 
     input_ids: torch.Tensor
@@ -83,6 +90,8 @@ class StepLayout:
     decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
     prefills: list[tuple[int, int, int, torch.Tensor]]
+    decode_rows: torch.Tensor
+    decode_resid_from: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +111,9 @@ def step_layout(step: StepInput, tables: BlockTables, block_size: int) -> StepLa
     table = tables.table
     slots = table[rows[seg], positions // block_size].astype(np.int64) * block_size + positions % block_size
     dec_rows = rows[:nd]
+    resid_start = np.frombuffer(step.resid_start, dtype=np.int64) if step.resid_start else np.full(nd, -1)
+    block_start = starts[:nd] - starts[:nd] % block_size
+    resid_from = np.where(resid_start < 0, block_size, np.clip(resid_start - block_start, 0, block_size))
     width = int(tables.num_blocks[dec_rows].max()) if nd else 0
     prefills = []
     for k in range(nd, len(rows)):
@@ -118,6 +130,8 @@ def step_layout(step: StepInput, tables: BlockTables, block_size: int) -> StepLa
         decode_block_tables=torch.from_numpy(table[dec_rows, :width]),
         decode_context_lens=torch.from_numpy((starts[:nd] + 1).astype(np.int32)),
         prefills=prefills,
+        decode_rows=torch.from_numpy(dec_rows.astype(np.int64)),
+        decode_resid_from=torch.from_numpy(resid_from.astype(np.int64)),
     )
 
 

@@ -2,16 +2,17 @@
 stays close to the full-precision cache's, which the fp32 parity tests tie to
 transformers (tests/engine/test_parity.py).
 
-Exact parity cannot hold (the cache rounds K and V), so: over 50 varied prompts, the
+Exact parity cannot hold (the cache rounds K and V), so: over 100 varied prompts, the
 greedy tokens agree position by position on most of the generated tokens (once a
 sequence diverges its later positions rarely agree, so this bounds how early any
 diverges; each prompt's first divergence is reported), and, on the common prefix,
 the log-probability of each chosen token is within ``LOGPROB_TOL`` of the full-precision
-engine's (vLLM's check_logprobs_close, tests/models/utils.py). The agreement floor is
-``MIN_AGREEMENT`` (measured figures there); the issue's 95 % is not reached on these
-prompts (int8 91.1 %, fp8_e4m3 76.5 %, measured 2026-12-04; kernels.kv_quant). Every
-divergence is a near tie: where a prompt diverges, the quantized run's pick is among the
-full-precision run's top ``TOP`` and at most ``TIE_NATS`` below its pick.
+engine's (vLLM's check_logprobs_close, tests/models/utils.py). int8 meets the issue's
+95 % (``MIN_AGREEMENT``; measured figures there): its full K blocks are quantized per
+channel and each decode's last block is kept exact until it fills (KIVI's layout,
+kernels.kv_quant). fp8_e4m3 does not (3 mantissa bits, per-row scales). Every
+divergence is a near tie: where a prompt diverges, the quantized run's pick is among
+the full-precision run's top ``TOP`` and at most ``TIE_NATS`` below its pick.
 """
 
 from __future__ import annotations
@@ -26,27 +27,33 @@ from epd.kernels.kv_quant import scale_bytes
 
 NEW_TOKENS = 32
 LOGPROB_TOL = {"int8": 0.1, "fp8_e4m3": 0.3}  # nats, p99 (the worst may be twice it)
-# Measured 2026-12-04 through the real cache (per 16 values: int8 a float16 scale and min,
-# fp8 a float32 scale), fp32 model, x86-64 with the C++ decode kernel: int8 1457/1600 = 91.1 %
-# (10 prompts diverge, the first at token 6), fp8_e4m3 1224/1600 = 76.5 % (21 diverge, the
-# first at token 6). Earlier runs of nearly the same code measured int8 93.1 % and fp8 72.2 %:
-# a sub-ulp change (the scales' rounding, the attention kernel's summation order) moves
-# these by 2-4 points, so the floors sit under every measurement: they catch a broken
-# quantizer or layout, not that noise. The issue's 95 % is not reached on these prompts.
-MIN_AGREEMENT = {"int8": 0.88, "fp8_e4m3": 0.66}
+# Measured 2026-12-05, fp32 model, x86-64 with the C++ decode kernel, the 100 prompts in one
+# batch: int8 (per-channel K blocks, exact K residual) 3083/3200 = 96.3 % (9 prompts diverge;
+# run as two batches of 50: 95.4 % and 96.9 %; the per-row layout before it: 91.1 % and
+# 95.1 %); fp8_e4m3 (per-row scales) 2202/3200 = 68.8 %. A sub-ulp change (the scales'
+# rounding, the attention kernel's summation order, the batch's chunking) moves these by a
+# point or two: a near-tie flip runs a sequence apart. int8's floor is the issue's 95 %;
+# fp8's sits under every measurement, to catch a broken quantizer or layout.
+MIN_AGREEMENT = {"int8": 0.95, "fp8_e4m3": 0.6}
 # Every divergence is a near-tie flip (as vLLM's check_logprobs_close: where the tokens differ,
 # the quantized run's pick is in the full-precision run's TOP logprobs), and the full-precision
-# run scored the quantized run's pick at most TIE_NATS below its own there: twice the logprob
-# tolerance, as a flip moves both tokens' logprobs (measured 2026-12-05: int8 0.037, fp8_e4m3
-# 0.239 nats; of the 1600 positions of the full-precision run, 49 have a top-two margin under
-# 0.05 nats, 93 under 0.1). A quantizer or layout fault diverges where the model is sure.
+# run scored the quantized run's pick at most TIE_NATS below its own there: three times the
+# logprob tolerance, as a flip moves both tokens' logprobs, and an end-of-text token's moves
+# most (measured 2026-12-05: int8 0.185, an end-of-text token whose logprob the per-row layout
+# moved by 0.083 and this one by 0.129 there, the other 8 under 0.025; fp8_e4m3 0.298 nats).
+# A quantizer or layout fault diverges where the model is sure.
 TOP = 5
-TIE_NATS = {kind: 2 * tol for kind, tol in LOGPROB_TOL.items()}
+TIE_NATS = {kind: 3 * tol for kind, tol in LOGPROB_TOL.items()}
 SUBJECTS = ["the ocean", "a small robot", "the history of Rome", "prime numbers", "a rainy day", "coffee",
             "the moon landing", "photosynthesis", "a lost cat", "the internet"]
 FORMS = ["Write one sentence about {}.", "Tell me a fact about {}.", "What is interesting about {}?",
          "Describe {} to a child.", "Give three words that describe {}."]
-PROMPTS = [f.format(s) for s, f in itertools.product(SUBJECTS, FORMS)]  # 50
+SUBJECTS_2 = ["volcanoes", "a birthday party", "the French revolution", "black holes", "a summer garden",
+              "jazz music", "electric cars", "the human heart", "an old library", "chess"]
+FORMS_2 = ["Explain {} in two sentences.", "Why do people care about {}?", "Write a short poem about {}.",
+           "List two facts about {}.", "How would you teach someone about {}?"]
+PROMPTS = ([f.format(s) for s, f in itertools.product(SUBJECTS, FORMS)]
+           + [f.format(s) for s, f in itertools.product(SUBJECTS_2, FORMS_2)])  # 100
 
 
 def _generate(model_dir, kv_cache_dtype):
@@ -68,10 +75,15 @@ def _generate(model_dir, kv_cache_dtype):
         llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def full_precision(default_model_dir):
+    return _generate(default_model_dir, "auto")[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
-def test_quantized_kv_greedy_agrees_with_full_precision(default_model_dir, kind):
-    ref, _ = _generate(default_model_dir, "auto")
+def test_quantized_kv_greedy_agrees_with_full_precision(default_model_dir, full_precision, kind):
+    ref = full_precision
     got, llm = _generate(default_model_dir, kind)
     assert llm.engine.runner.k_cache.dtype == torch.uint8
     agree = total = 0

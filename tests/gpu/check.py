@@ -126,6 +126,28 @@ def check_kernels(dev: str) -> dict:
         errs[f"paged_decode_attention_{kind}"] = float((a - b).abs().max())
         if not errs[f"paged_decode_attention_{kind}"] <= 1e-5 or errs[f"store_quantized_{kind}"]:
             raise AssertionError(f"quantized store or decode kernel off its reference: {errs}")
+    # int8's per-channel K blocks and decode residual (KIVI layout; 16-token blocks): one
+    # sequence with an open last block partly in the residual, one whose block just filled
+    from epd.kernels.kv_quant import KResidual, dequantize_blocks, overlay_residual, quantize_channels
+
+    cb = 16
+    kf = torch.randn(4, cb, h, d, generator=g, device=dev) + 20.0 * (torch.arange(d, device=dev) == 3)
+    kc = quantize_kv(kf.reshape(-1, h, d), "int8").view(4, cb, h, -1)
+    vc = quantize_kv(torch.randn(4 * cb, h, d, generator=g, device=dev), "int8").view(4, cb, h, -1)
+    kc[[0, 2, 3]] = quantize_channels(kf[[0, 2, 3]])
+    ctab = torch.tensor([[0, 1], [2, 3]], device=dev, dtype=torch.int32)
+    clens = torch.tensor([cb + 5, 2 * cb], device=dev, dtype=torch.int32)
+    resid = KResidual(torch.randn(2, cb, h, d, generator=g, device=dev), torch.tensor([1, 0], device=dev),
+                      torch.tensor([2, 0], device=dev))
+    q = torch.randn(2, hq, d, generator=g, device=dev)
+    kd, vd, rt = dequantize_blocks(kc, vc, ctab, "int8", torch.float32, clens)
+    overlay_residual(kd, rt, clens, resid)
+    a = paged_attention.paged_decode_attention_ref(q, kd, vd, rt, clens, d ** -0.5)
+    b = paged_attention.paged_decode_attention_triton(q, kc, vc, ctab, clens, d ** -0.5, kv_quant="int8",
+                                                      channel_k=True, resid=resid)
+    errs["paged_decode_attention_int8_channel_k"] = float((a - b).abs().max())
+    if not errs["paged_decode_attention_int8_channel_k"] <= 1e-5:
+        raise AssertionError(f"per-channel int8 decode kernel off its reference: {errs}")
     return {"max_abs_err": errs, "compiled": dev == "cuda"}
 
 

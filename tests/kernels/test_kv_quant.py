@@ -109,3 +109,124 @@ def test_triton_quantize_store_writes_the_references_bytes(kind, head_dim, devic
     assert torch.equal(ks, caches[0])
     with pytest.raises(ValueError, match="uint8"):
         store_quantized_ref(key, value, caches[0][..., :-1], caches[1][..., :-1], slots, kind)
+
+
+# ------------------------------------------------- int8: per-channel K blocks and the residual
+def test_channel_blocks_hold_each_channels_scale_and_min():
+    """A full int8 K block (quantize_channels): each channel's codes span its own [min, max]
+    over the block's rows, so an offset channel (K's outliers: a large value that barely
+    varies, as RoPE's slow pairs) keeps its small spread, which per-row scales lose; the
+    (scale, min) pairs sit in the rows' scale bytes in channel order."""
+    from epd.kernels.kv_quant import channel_k, channel_rows, dequantize_channels, quantize_channels
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 16, 2, 64, generator=g) * torch.logspace(-2, 1, 64)
+    x[..., 5] = 40.0 + 0.01 * torch.randn(3, 16, 2, generator=g)  # the offset channel
+    packed = quantize_channels(x)
+    assert packed.shape == (3, 16, 2, 80) and packed.dtype == torch.uint8
+    meta = packed[..., 64:].contiguous().view(torch.float16).float().reshape(3, 16, 2, 4, 2)
+    meta = meta.permute(0, 2, 1, 3, 4).reshape(3, 2, 64, 2)  # channel c: row c // 4, pair c % 4
+    lo, hi = x.amin(1), x.amax(1)
+    assert bool((meta[..., 1] <= lo).all()) and bool((meta[..., 1] + 255 * meta[..., 0] >= hi).all())
+    assert torch.allclose(meta[..., 0], (hi - meta[..., 1]) / 255, rtol=2 ** -10, atol=2 ** -24)
+    y = dequantize_channels(packed, torch.float32)
+    err = (y - x).abs().amax(1)
+    assert bool((err <= 0.5 * meta[..., 0] + 2 ** -20 * (lo.abs() + hi.abs())).all())
+    assert float(err[..., 5].max()) < 0.05 / 255 * 2  # per-row scales: 40 / 255 at best
+    assert float((dequantize_kv(quantize_kv(x.view(-1, 2, 64), "int8"), "int8", torch.float32).view_as(x)
+                  - x)[..., 5].abs().max()) > 10 * float(err[..., 5].max())
+    assert channel_rows(64) == 16 and channel_rows(16) == 16 and channel_rows(20) == 20
+    assert channel_k("int8", 16, 64) and channel_k("int8", 32, 128)
+    assert not channel_k("int8", 8, 64) and not channel_k("fp8_e4m3", 16, 64) and not channel_k(None, 16, 64)
+    with pytest.raises(ValueError, match="cannot hold"):
+        quantize_channels(x[:, :8])
+
+
+def _store(key, kc, vc, slots, nd=0, resid=None):
+    from epd.kernels.kv_quant import complete_channel_blocks, store_quantized
+
+    store_quantized(key, key, kc, vc, slots, "int8")
+    complete_channel_blocks(key, kc, slots, nd, resid)
+
+
+def test_blocks_a_step_fills_become_per_channel_from_exact_rows():
+    """One sequence: a 20-token prefill (block 0 filled, rows 0-3 of block 1 stored per row),
+    then 12 decode steps keeping their exact K in the residual from offset 4 on. While
+    block 1 is open, attention reads block 0 per channel, rows 0-3 as stored and rows 4.. exact;
+    the 12th decode fills it, and it becomes per channel, byte for byte, from rows 0-3 as
+    stored and rows 4-15 exact."""
+    from epd.kernels.kv_quant import KResidual, dequantize_channels, overlay_residual, quantize_channels
+
+    g = torch.Generator().manual_seed(3)
+    bs, heads, d = 16, 2, 64
+    k = torch.randn(32, heads, d, generator=g) + 30.0 * (torch.arange(d) == 7)  # an offset channel
+    kc = torch.zeros(4, bs, heads, d + scale_bytes(d), dtype=torch.uint8)
+    vc = torch.zeros_like(kc)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)  # blocks 2 then 0
+    slots = torch.cat([torch.arange(16) + 2 * bs, torch.arange(16)])
+    _store(k[:20], kc, vc, slots[:20])
+    assert torch.equal(kc[2], quantize_channels(k[:16].unsqueeze(0))[0])
+    stored = dequantize_kv(kc[0, :4], "int8", torch.float32)  # rows 0-3 of block 0, per row
+    resid = KResidual(torch.zeros(3, bs, heads, d), torch.tensor([1]), torch.tensor([4]))
+    for t in range(20, 32):
+        _store(k[t:t + 1], kc, vc, slots[t:t + 1], nd=1, resid=resid)
+        if t < 31:
+            kd, _, tables = dequantize_blocks(kc, vc, table, "int8", torch.float32, torch.tensor([t + 1]))
+            overlay_residual(kd, tables, torch.tensor([t + 1]), resid)
+            assert torch.equal(kd[tables[0, 0]], dequantize_channels(kc[2:3], torch.float32)[0])
+            assert torch.equal(kd[tables[0, 1], :4], stored)
+            assert torch.equal(kd[tables[0, 1], 4:t + 1 - 16], k[20:t + 1])
+    assert torch.equal(resid.k[1, 4:], k[20:32]) and not resid.k[[0, 2]].any()
+    assert torch.equal(kc[0], quantize_channels(torch.cat([stored, k[20:32]]).unsqueeze(0))[0])
+    kd, _, tables = dequantize_blocks(kc, vc, table[:, :2], "int8", torch.float32, torch.tensor([32]))
+    overlay_residual(kd, tables, torch.tensor([32]), resid)  # a filled block: not from the residual
+    assert torch.equal(kd[tables[0, 1]], dequantize_channels(kc[0:1], torch.float32)[0])
+    assert float((kd[tables[0, 1], 4:] - k[20:32]).abs().max()) < 0.02
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_triton_reads_channel_blocks_and_the_residual(device, block_size):
+    """The Triton decode kernel reads full int8 K blocks per channel and the partial last
+    block's rows from the residual where it holds them: equal to the reference path
+    (dequantize_blocks + overlay_residual + attention), for a sequence with no residual
+    (start = block_size), one whose new token just filled its block (read per channel), one
+    with part of its last block in the residual, one with all of it; and the residual's
+    values matter (zeroing it changes the output)."""
+    import importlib.util
+
+    from epd.kernels.kv_quant import KResidual, quantize_channels
+    from epd.kernels.paged_attention import paged_decode_attention, paged_decode_attention_triton
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    g = torch.Generator().manual_seed(block_size)
+    heads, kv_heads, d, blocks = 6, 2, 64, 12
+    row = d + scale_bytes(d)
+    kc = torch.zeros(blocks, block_size, kv_heads, row, dtype=torch.uint8)
+    vc = torch.zeros_like(kc)
+    kf = torch.randn(blocks, block_size, kv_heads, d, generator=g) + 20.0 * (torch.arange(d) == 3)
+    vf = torch.randn(blocks, block_size, kv_heads, d, generator=g)
+    kc[:] = quantize_kv(kf.view(-1, kv_heads, d), "int8").view_as(kc)
+    vc[:] = quantize_kv(vf.view(-1, kv_heads, d), "int8").view_as(vc)
+    bs = block_size
+    ctx = torch.tensor([bs + 5, 2 * bs, 2 * bs + 9, bs + 7], dtype=torch.int32)
+    tables = torch.tensor([[1, 4, -1], [5, 6, -1], [7, 2, 9], [3, 10, -1]], dtype=torch.int32)
+    for b in (1, 5, 6, 7, 2, 3):  # the blocks each sequence has filled
+        kc[b] = quantize_channels(kf[b:b + 1])[0]
+    resid = KResidual(torch.randn(5, bs, kv_heads, d, generator=g) + 20.0 * (torch.arange(d) == 3),
+                      torch.tensor([0, 3, 1, 4]), torch.tensor([bs, 0, 2, 0]))
+    q = torch.randn(4, heads, d, generator=g)
+    scale = d ** -0.5
+    ref = paged_decode_attention(q, kc, vc, tables, ctx, scale, kv_quant="int8", channel_k=True, resid=resid)
+    out = paged_decode_attention_triton(q.to(device), kc.to(device), vc.to(device), tables.to(device), ctx.to(device),
+                                        scale, kv_quant="int8", channel_k=True,
+                                        resid=KResidual(*(t.to(device) for t in (resid.k, resid.rows, resid.start))))
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-4)
+    zeroed = KResidual(torch.zeros_like(resid.k), resid.rows, resid.start)
+    other = paged_decode_attention(q, kc, vc, tables, ctx, scale, kv_quant="int8", channel_k=True, resid=zeroed)
+    changed = (other - ref).abs().amax(dim=(1, 2)) > 1e-3
+    assert changed.tolist() == [False, False, True, True]
+    per_row = paged_decode_attention(q, kc, vc, tables, ctx, scale, kv_quant="int8")
+    assert bool(((per_row - ref).abs().amax(dim=(1, 2)) > 1e-3).all())  # full blocks are read per channel
+    with pytest.raises(ValueError, match="int8 layout"):
+        paged_decode_attention(q, kc, vc, tables, ctx, scale, kv_quant="fp8_e4m3", channel_k=True)

@@ -270,22 +270,47 @@ def _kv_bytes_moved(server) -> float:
     return last
 
 
+QBLOCK = 16  # int8 keeps full K blocks per channel from 16-token blocks on (kv_quant.channel_k)
+
+
+def _offline_int8(model: str, block_size: int) -> list[tuple[str, list[float]]]:
+    llm = LLM(model, dtype="float32", kv_cache_dtype="int8", kv_cache_memory_gb=0.05, block_size=block_size)
+    try:
+        outs = llm.generate(TEXT_PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                         logprobs=0))
+        return [(o.outputs[0].text, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("pools", ["p:2,d:1", "p:1,d:2"])
 def test_quantized_kv_staged_across_tp(pools, models, expected):
     """``--kv-cache-dtype int8`` with heterogeneous TP on tiny Llama (2 KV heads, head_dim
-    16: rows of 16 codes + 4 bytes of float16 scale and min): the staging pack/unpack
-    moves each head's row with its own scales, so the decode side's greedy text equals the
-    TP=1 offline engine with the same int8 cache; the bytes moved are the full-precision
-    run's times 20 / 64 (int8 row / fp32 row), and the blocks per GiB grow by 64 / 20."""
-    llm = LLM(models["llama"], dtype="float32", kv_cache_dtype="int8", kv_cache_memory_gb=0.05)
-    outs = llm.generate(TEXT_PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    want = [o.outputs[0].text for o in outs]
-    llm.shutdown()
-    assert want != expected["llama"][0]  # the int8 cache changes this model's greedy text: a real check
+    16: rows of 16 codes + 4 bytes of float16 scale and min) and 16-token blocks, so full K
+    blocks are per channel (their scales in the head's rows) and the decode worker keeps its
+    own K rows of the open block exact: the staging pack/unpack moves each head's rows with
+    its scales, so the decode side's greedy tokens and their logprobs equal the TP=1 offline
+    engine's with the same cache (the 41- and 50-token prompts fill two blocks on the
+    prefill side and one more while decoding); the bytes moved are the full-precision run's
+    times 20 / 64 (int8 row / fp32 row), and the blocks per GiB grow by 64 / 20."""
+    want = _offline_int8(models["llama"], QBLOCK)
+    assert [t for t, _ in want] != expected["llama"][0]  # the int8 cache changes this model's greedy text
+    rows = _offline_int8(models["llama"], 8)  # per-row K scales: logprobs far from the per-channel layout's
+    assert max(abs(a - b) for (_, x), (_, y) in zip(want, rows) for a, b in zip(x, y)) > 0.05
     moved, per_gb = {}, {}
     for kv in ("int8", "auto"):
-        with launch(models["llama"], pools, "--tp", pools, "--block-size", str(BLOCK), "--kv-cache-dtype", kv) as server:
-            _check_parity(server, want if kv == "int8" else expected["llama"][0], None)
+        with launch(models["llama"], pools, "--tp", pools, "--block-size", str(QBLOCK), "--kv-cache-dtype",
+                    kv) as server:
+            if kv == "int8":
+                client = server.client()
+                for prompt, (text, lps) in zip(TEXT_PROMPTS, want):
+                    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                  temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+                    assert r.choices[0].text == text
+                    got = r.choices[0].logprobs.token_logprobs
+                    assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-3, (got, lps)
+            else:
+                _check_parity(server, expected["llama"][0], None)
             moved[kv] = _kv_bytes_moved(server)
             stats = server.workers()
             assert _staging_all_free(stats)
