@@ -45,7 +45,8 @@ Hadamard rotation did not help.
 
 On CUDA, :func:`store_quantized_triton` quantizes new rows and writes them in one kernel
 (byte for byte :func:`quantize_kv`'s result; the per-channel rewrite of filled blocks and the
-residual are torch, :func:`complete_channel_blocks`), and the Triton decode kernel
+residual are torch index operations planned on the host, :func:`channel_fill_plan` and
+:func:`complete_channel_blocks`, so no step waits on the device), and the Triton decode kernel
 (``paged_attention.paged_decode_attention_triton(kv_quant=..., channel_k=..., resid=...)``)
 dequantizes rows, per-channel blocks and the residual as it loads them. Elsewhere (and for a
 prefill over a cached prefix) attention dequantizes the blocks a step touches into the
@@ -89,7 +90,8 @@ def channel_k(kind: str | None, block_size: int, head_dim: int) -> bool:
     return kind == "int8" and block_size >= channel_rows(head_dim)
 
 
-__all__ = ["GROUP", "KV_QUANT", "KResidual", "scale_bytes", "channel_k", "channel_rows", "complete_channel_blocks",
+__all__ = ["GROUP", "KV_QUANT", "ChannelFill", "KResidual", "scale_bytes", "channel_fill_plan", "channel_k",
+           "channel_rows", "complete_channel_blocks",
            "dequantize_blocks", "dequantize_channels", "dequantize_kv", "overlay_residual", "quantize_channels",
            "quantize_kv", "store_quantized", "store_quantized_ref", "store_quantized_triton"]
 
@@ -309,44 +311,91 @@ def overlay_residual(k: torch.Tensor, block_tables: torch.Tensor, context_lens: 
         k[blk, jj] = k_resid[rows.to(torch.long)[ii], jj].to(k.dtype)
 
 
-def complete_channel_blocks(key: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                            num_decode_tokens: int = 0, resid: KResidual | None = None) -> None:
+@dataclass(slots=True)
+class ChannelFill:
+    """What a step stores beyond its rows in an int8 cache with per-channel K blocks, as
+    index tensors worked out on the host (:func:`channel_fill_plan`), so the device never
+    waits on a data-dependent shape. All ``[n]`` int64:
+
+    resid_tok / resid_row / resid_off: the decode tokens whose exact K goes into the
+    residual, at (row, offset). blocks: the K blocks the step fills, sorted. fill_tok /
+    fill_idx / fill_off: the step's tokens in those blocks (index into ``blocks``, offset).
+    res_idx / res_row / res_off: the residual's rows of the blocks decode tokens fill
+    (index into ``blocks``, residual row, offset)."""
+
+    resid_tok: torch.Tensor
+    resid_row: torch.Tensor
+    resid_off: torch.Tensor
+    blocks: torch.Tensor
+    fill_tok: torch.Tensor
+    fill_idx: torch.Tensor
+    fill_off: torch.Tensor
+    res_idx: torch.Tensor
+    res_row: torch.Tensor
+    res_off: torch.Tensor
+
+    def to(self, device: torch.device | str) -> ChannelFill:
+        return ChannelFill(*(getattr(self, f).to(device) for f in self.__slots__))
+
+
+def channel_fill_plan(slot_mapping: torch.Tensor, num_decode_tokens: int, rows: torch.Tensor,
+                      resid_from: torch.Tensor, block_size: int) -> ChannelFill:
+    """A step's :class:`ChannelFill` (CPU tensors).
+
+    Args:
+        slot_mapping: ``[num_tokens]`` int, the step's slots (decode tokens first; ``< 0``:
+            padding).
+        num_decode_tokens: how many tokens are decodes; rows / resid_from: ``[num_decode_tokens]``
+            int, each decode's residual row and the first offset of its last block the
+            residual holds (``block_size``: none; :class:`KResidual`).
+        block_size: tokens a block.
+    """
+    slots = slot_mapping.to(torch.long).cpu()
+    nd, bs = num_decode_tokens, block_size
+    rows, start = rows.to(torch.long).cpu()[:nd], resid_from.to(torch.long).cpu()[:nd]
+    valid = slots >= 0
+    off = slots.remainder(bs)
+    resid_tok = (valid[:nd] & (off[:nd] >= start)).nonzero().flatten()
+    done = valid & (off == bs - 1)
+    blocks = torch.unique(slots[done] // bs)
+    b_all = slots.clamp(min=0) // bs
+    if len(blocks):
+        idx = torch.searchsorted(blocks, b_all).clamp(max=len(blocks) - 1)
+        hit = valid & (blocks[idx] == b_all)
+    else:
+        idx, hit = torch.zeros_like(slots), torch.zeros_like(valid)
+    fill_tok = hit.nonzero().flatten()
+    j = torch.arange(bs)
+    m = (done[:nd] & hit[:nd]).unsqueeze(1) & (j >= start.unsqueeze(1)) & (j < bs - 1)
+    ii, jj = m.nonzero(as_tuple=True)
+    return ChannelFill(resid_tok, rows[resid_tok], off[resid_tok], blocks, fill_tok, idx[fill_tok], off[fill_tok],
+                       idx[ii], rows[ii], jj)
+
+
+def complete_channel_blocks(key: torch.Tensor, k_cache: torch.Tensor, fill: ChannelFill,
+                            k_resid: torch.Tensor | None = None) -> None:
     """After a step's rows were stored one by one (:func:`store_quantized`, int8): keep the
-    decode tokens' exact K in the residual, and rewrite each K block this step filled per
-    channel (:func:`quantize_channels`), from exact values where known (this step's rows;
-    the residual's) and else from the rows as stored.
+    decode tokens' exact K in the residual, and rewrite each K block the step filled per
+    channel (:func:`quantize_channels`), from exact values where known (the step's rows,
+    the residual's) and else from the rows as stored. Index tensors only: no host sync.
 
     Args:
         key: ``[num_tokens, num_kv_heads, head_dim]`` float, the step's K (decode tokens first).
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim + scale_bytes(head_dim)]``
             uint8, an int8 cache; written in place.
-        slot_mapping: ``[num_tokens]`` int (``< 0``: padding).
-        num_decode_tokens: the first tokens, decode tokens (one a sequence); resid: their
-            residual (:class:`KResidual`; None: none), written here.
+        fill: the step's :class:`ChannelFill`, on ``key``'s device.
+        k_resid: the residual (``KResidual.k``), written here; may be None when ``fill``
+            names none of its rows.
     """
-    bs = k_cache.shape[1]
-    slots = slot_mapping.to(torch.long)
-    nd = num_decode_tokens if resid is not None else 0
-    if nd:
-        k_resid, rows, resid_from = resid.k, resid.rows, resid.start
-        off = slots[:nd] % bs
-        keep = (slots[:nd] >= 0) & (off >= resid_from.to(torch.long))
-        k_resid[rows.to(torch.long)[keep], off[keep]] = key[:nd][keep].to(k_resid.dtype)
-    done = (slots >= 0) & (slots % bs == bs - 1)
-    if not bool(done.any()):
+    if fill.resid_tok.numel():
+        k_resid[fill.resid_row, fill.resid_off] = key[fill.resid_tok].to(k_resid.dtype)
+    if not fill.blocks.numel():
         return
-    blocks = torch.unique(slots[done] // bs)  # sorted
-    x = dequantize_kv(k_cache.index_select(0, blocks), "int8", torch.float32)
-    b_all = slots.clamp(min=0) // bs
-    idx = torch.searchsorted(blocks, b_all).clamp(max=len(blocks) - 1)
-    hit = (slots >= 0) & (blocks[idx] == b_all)
-    x[idx[hit], slots[hit] % bs] = key[hit].to(torch.float32)
-    if nd:
-        j = torch.arange(bs, device=key.device)
-        m = (done[:nd] & hit[:nd]).unsqueeze(1) & (j >= resid_from.to(torch.long).unsqueeze(1)) & (j < bs - 1)
-        ii, jj = m.nonzero(as_tuple=True)
-        x[idx[ii], jj] = k_resid[rows.to(torch.long)[ii], jj].to(torch.float32)
-    k_cache[blocks] = quantize_channels(x)
+    x = dequantize_kv(k_cache.index_select(0, fill.blocks), "int8", torch.float32)
+    x[fill.fill_idx, fill.fill_off] = key[fill.fill_tok].to(torch.float32)
+    if fill.res_idx.numel():
+        x[fill.res_idx, fill.res_off] = k_resid[fill.res_row, fill.res_off].to(torch.float32)
+    k_cache[fill.blocks] = quantize_channels(x)
 
 
 # --------------------------------------------------------------------------- Triton: quantize + store

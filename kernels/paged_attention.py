@@ -386,7 +386,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, kv_quant: str | None = None, channel_k: bool = False,
                                   resid: "KResidual | None" = None) -> torch.Tensor:
-    """Triton version of :func:`paged_decode_attention_ref` (same arguments and result).
+    """Triton version of :func:`paged_decode_attention_ref` (same arguments and result, for a
+    quantized cache those of the reference on the dequantized cache: see below).
 
     Grid ``(num_seqs, num_kv_heads)``: each program serves the ``num_heads // num_kv_heads``
     query heads of one kv head, walks the sequence's cache blocks (a whole power-of-two

@@ -82,8 +82,11 @@ class InputBatch:
                 new_blocks.extend(bt[sent:])
                 self.sent_blocks[row] = len(bt)
             rows[k], starts[k], counts[k] = row, s.start, s.num_tokens
-            if s.num_tokens == 1 and s.start >= seq.num_prompt_tokens and self.resid_start[row] < 0:
-                self.resid_start[row] = s.start  # the sequence's first decode step on this worker
+            if s.num_tokens > 1:  # a prefill chunk (a recompute too): its rows never reach the residual
+                self.resid_start[row] = -1
+            elif (self.resid_start[row] < 0 and s.start >= seq.num_prompt_tokens
+                  and s.start + 1 == seq.num_tokens):  # the first true decode (not a one-token chunk)
+                self.resid_start[row] = s.start
         update.blocks = np.asarray(new_blocks, dtype=np.int32).tobytes()
         q_end = np.cumsum(counts)
         seg = np.repeat(np.arange(n), counts)

@@ -29,6 +29,7 @@ from epd.engine.layer_gate import LayerGate
 from epd.engine.scheduler import SchedulerOutput
 from epd.engine.block_table import BlockTables
 from epd.engine.step_input import StepInput, step_layout
+from epd.kernels.kv_quant import channel_fill_plan
 from epd.kernels.kv_staging import pack_kv, staging_shape, unpack_kv
 from epd.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from epd.models import get_model_class
@@ -323,8 +324,12 @@ class ModelRunner:
                 inputs_embeds[dst:dst + n] = mm_embeds[src:src + n]
                 src += n
         nd = lay.num_decode_tokens
-        if self.config.kv_channel_k and nd and bool((lay.decode_resid_from < self.config.block_size).any()):
-            self._reserve_residual(int(lay.decode_rows.max()) + 1)
+        fill = None
+        if self.config.kv_channel_k:
+            if nd and bool((lay.decode_resid_from < self.config.block_size).any()):
+                self._reserve_residual(int(lay.decode_rows.max()) + 1)
+            fill = channel_fill_plan(lay.slot_mapping, nd, lay.decode_rows, lay.decode_resid_from,
+                                     self.config.block_size).to(dev)
         md = AttentionMetadata(
             slot_mapping=lay.slot_mapping.to(dev),
             num_decode_tokens=nd,
@@ -334,6 +339,7 @@ class ModelRunner:
             layer_hook=self._layer_hook(step, layer_hook),
             decode_rows=lay.decode_rows.to(dev) if nd else None,
             decode_resid_from=lay.decode_resid_from.to(dev) if nd else None,
+            channel_fill=fill,
         )
         try:
             with set_attention_metadata(md):
@@ -351,8 +357,8 @@ class ModelRunner:
         """Grow the int8 cache's K residual (``kv_quant.KResidual``) to at least ``rows``
         persistent-batch rows: [num_layers, rows, block_size, num_kv_heads / tp, head_dim]
         in the model's dtype, a block of exact K a running decode sequence (outside
-        ``kv_cache_memory_gb``: ``max_num_seqs`` rows at most, 23.6 MB for SmolLM2 at fp32
-        and 64 sequences)."""
+        ``kv_cache_memory_gb``: a row a running sequence, so about ``max_num_seqs`` rows,
+        23.6 MB for SmolLM2 at fp32 and 64 sequences)."""
         have = self.k_resid.shape[1] if self.k_resid.dim() == 5 else 0
         if rows <= have:
             return

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.kernels.kv_quant import KResidual, complete_channel_blocks, dequantize_blocks, store_quantized
+from epd.kernels.kv_quant import ChannelFill, KResidual, complete_channel_blocks, dequantize_blocks, store_quantized
 from epd.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_ref
 from epd.kernels.store_kv import store_kvcache
 
@@ -51,6 +51,8 @@ class AttentionMetadata:
     # first offset of its last block held exact in the layer's residual ([num_decodes] int64)
     decode_rows: torch.Tensor | None = None
     decode_resid_from: torch.Tensor | None = None
+    # ... and what the step's store does beyond its rows (the residual, the blocks it fills)
+    channel_fill: ChannelFill | None = None
 
 
 _METADATA: AttentionMetadata | None = None
@@ -114,8 +116,8 @@ class Attention(nn.Module):
             store_kvcache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
         else:
             store_quantized(k, v, self.k_cache, self.v_cache, md.slot_mapping, quant)  # Triton on CUDA: one kernel
-            if self.channel_k:  # K blocks this step filled become per channel; decodes' exact K kept
-                complete_channel_blocks(k, self.k_cache, md.slot_mapping, nd, resid)
+            if self.channel_k and md.channel_fill is not None:  # filled K blocks per channel; decodes' K kept
+                complete_channel_blocks(k, self.k_cache, md.channel_fill, self.k_resid)
         if md.layer_hook is not None:
             md.layer_hook(self.layer_idx)
         out = torch.empty_like(q)

@@ -105,3 +105,39 @@ def test_a_freed_row_is_cleared_on_every_rank():
     assert tables.table[0].tolist() == [-1, -1, -1, -1] and tables.num_blocks[0] == 0
     assert tables.table[1, :2].tolist() == [4, 6] and tables.num_blocks[1] == 2
     assert tables.table[5, :2].tolist() == [2, 3] and tables.num_blocks[5] == 2  # rows grew
+
+
+def test_the_k_residual_starts_at_the_first_true_decode_of_a_row():
+    """``StepInput.resid_start`` (int8's exact K residual, kernels.kv_quant.KResidual) names
+    the first position a decode step of the row's sequence computed. A one-token chunk
+    partway through a recompute after preemption (the scheduler puts it among the decodes)
+    is not a decode: the rows after it come from a prefill and never reach the residual, so
+    the residual must not be read for them; nor is a one-token chunk of the prompt. A
+    multi-token chunk of a row that kept its row forgets an earlier start."""
+    from epd.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+    bs = 16
+    seq = Sequence("r", list(range(10)), SamplingParams())
+    seq.token_ids += list(range(100, 111))  # 21 tokens: 10 of prompt, 11 generated before a preemption
+    seq.block_table = [3, 5]
+    batch = InputBatch(4, 32)
+    tables = BlockTables(4, 4)
+
+    def step(start, n):
+        out = SchedulerOutput(scheduled=[ScheduledSeq(seq, start, n)])
+        msg, _ = batch.build(out, [seq])
+        tables.apply(msg.table_update)
+        lay = step_layout(msg, tables, bs)
+        return np.frombuffer(msg.resid_start, dtype=np.int64).tolist(), lay.decode_resid_from.tolist()
+
+    assert step(0, 9) == ([], [])
+    assert step(9, 1) == ([-1], [bs])  # the prompt's last token, alone: not a decode
+    assert step(10, 1) == ([-1], [bs])  # the recompute's one-token chunk: not a decode
+    assert step(11, 10) == ([], [])
+    seq.token_ids.append(111)
+    assert step(21, 1) == ([21], [5])  # the first decode: block 1's rows 5.. are the residual's
+    seq.token_ids.append(112)
+    assert step(22, 1) == ([21], [5])
+    seq.token_ids += [113, 114]
+    assert step(23, 2) == ([], [])  # a multi-token chunk (a recompute that kept its row)
+    assert step(24, 1) == ([24], [8])

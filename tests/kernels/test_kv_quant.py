@@ -143,10 +143,12 @@ def test_channel_blocks_hold_each_channels_scale_and_min():
 
 
 def _store(key, kc, vc, slots, nd=0, resid=None):
-    from epd.kernels.kv_quant import complete_channel_blocks, store_quantized
+    from epd.kernels.kv_quant import channel_fill_plan, complete_channel_blocks, store_quantized
 
     store_quantized(key, key, kc, vc, slots, "int8")
-    complete_channel_blocks(key, kc, slots, nd, resid)
+    rows, start = (resid.rows, resid.start) if resid is not None else (torch.zeros(0), torch.zeros(0))
+    fill = channel_fill_plan(slots, nd, rows, start, kc.shape[1])
+    complete_channel_blocks(key, kc, fill, None if resid is None else resid.k)
 
 
 def test_blocks_a_step_fills_become_per_channel_from_exact_rows():
@@ -230,3 +232,36 @@ def test_decode_triton_reads_channel_blocks_and_the_residual(device, block_size)
     assert bool(((per_row - ref).abs().amax(dim=(1, 2)) > 1e-3).all())  # full blocks are read per channel
     with pytest.raises(ValueError, match="int8 layout"):
         paged_decode_attention(q, kc, vc, tables, ctx, scale, kv_quant="fp8_e4m3", channel_k=True)
+
+
+def test_a_mixed_steps_fill_plan():
+    """One step of two decodes, a padding slot and a 20-token prefill chunk
+    (channel_fill_plan, then complete_channel_blocks): the decode that fills its block
+    rewrites it per channel from its stored rows 0-2, its residual's rows 3-14 and its own
+    K; the other decode only adds its K to the residual; the chunk's filled block is per
+    channel from its 4 stored rows and its 12 exact ones, its next block stays per row."""
+    from epd.kernels.kv_quant import channel_fill_plan, complete_channel_blocks, quantize_channels, store_quantized
+
+    g = torch.Generator().manual_seed(4)
+    bs, d = 16, 16
+    a, b, c, dd = 6, 2, 4, 1  # block ids
+    kc = torch.zeros(8, bs, 1, d + scale_bytes(d), dtype=torch.uint8)
+    vc = torch.zeros_like(kc)
+    before = torch.randn(8, bs, 1, d, generator=g)
+    kc[:] = quantize_kv(before.view(-1, 1, d), "int8").view_as(kc)
+    resid = torch.randn(3, bs, 1, d, generator=g)
+    key = torch.randn(23, 1, d, generator=g)
+    slots = torch.cat([torch.tensor([a * bs + 15, b * bs + 7, -1]), c * bs + torch.arange(4, 16),
+                       dd * bs + torch.arange(8)])
+    rows, start = torch.tensor([0, 2, 1]), torch.tensor([3, 0, 0])
+    stored = dequantize_kv(kc, "int8", torch.float32)
+    fill = channel_fill_plan(slots, 3, rows, start, bs)
+    assert fill.blocks.tolist() == [c, a] and fill.resid_tok.tolist() == [0, 1]
+    want_a = quantize_channels(torch.cat([stored[a, :3], resid[0, 3:15], key[:1]]).unsqueeze(0))[0]
+    want_c = quantize_channels(torch.cat([stored[c, :4], key[3:15]]).unsqueeze(0))[0]
+    store_quantized(key, key, kc, vc, slots, "int8")
+    rowwise_b, rowwise_d = kc[b].clone(), kc[dd].clone()
+    complete_channel_blocks(key, kc, fill, resid)
+    assert torch.equal(kc[a], want_a) and torch.equal(kc[c], want_c)
+    assert torch.equal(kc[b], rowwise_b) and torch.equal(kc[dd], rowwise_d)
+    assert torch.equal(resid[0, 15], key[0]) and torch.equal(resid[2, 7], key[1])
