@@ -122,6 +122,13 @@ class PoolRegistry:
                                f"between prefill and decode byte for byte, so start every prefill and decode worker "
                                f"with the same {flags}", permanent=True)
             return None
+        if (info.kv_layout is not None and other is not None
+                and other.info.kv_layout.block_size != info.kv_layout.block_size):
+            self._refuse(info, f"its KV blocks hold {info.kv_layout.block_size} tokens, but worker "
+                               f"{other.instance_id}'s hold {other.info.kv_layout.block_size}: KV moves between "
+                               f"prefill and decode block by block, so start every prefill and decode worker with "
+                               f"the same --block-size", permanent=True)
+            return None
         old = self.workers.get(info.instance_id)
         if old is not None and info.incarnation and old.info.incarnation == info.incarnation:
             old.last_seen = time.monotonic()

@@ -250,3 +250,45 @@ def test_a_worker_with_another_kv_cache_dtype_is_refused_naming_the_flag(prefill
                 s.close(0)
 
     run(body)
+
+
+@pytest.mark.parametrize("prefill_bs,decode_bs", [(16, 32), (32, 16)])
+def test_a_worker_with_another_block_size_is_refused_naming_the_flag(prefill_bs, decode_bs):
+    """``--block-size`` 16 on one side and 32 on the other: KV moves block by block, so a
+    decode worker with larger blocks would read each prefill block's tokens at the wrong
+    positions (found by a fresh user: wrong greedy text, no error) and smaller ones make
+    every write fail. It is refused permanently, naming --block-size; a worker with the
+    same block size is accepted."""
+    import zmq
+
+    from epd.messages import Registered, RegistrationRefused, decode
+
+    def layout(bs: int) -> KVLayout:
+        return KVLayout(2, 64, bs, 2, 16, "float32", [], [])
+
+    async def body(router: Router) -> None:
+        ctx = zmq.Context.instance()
+        inboxes = [ctx.socket(zmq.PULL) for _ in range(2)]
+        ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in inboxes]
+        try:
+            router._dispatch(WorkerReady("prefill", "prefill-b", 6100, "tcp://127.0.0.1:1", b"", [],
+                                         layout(prefill_bs)))
+            router._dispatch(WorkerReady("decode", "decode-b", 6101, f"tcp://127.0.0.1:{ports[0]}", b"", [],
+                                         layout(decode_bs)))
+            await settle()
+            assert inboxes[0].poll(5000), "no answer to the refused worker"
+            answer = decode(inboxes[0].recv())
+            assert isinstance(answer, RegistrationRefused) and answer.permanent, answer
+            assert f"{prefill_bs}" in answer.reason and f"{decode_bs}" in answer.reason
+            assert "--block-size" in answer.reason
+            assert "decode-b" not in router.registry.workers and "prefill-b" in router.registry.workers
+            router._dispatch(WorkerReady("decode", "decode-same-bs", 6102, f"tcp://127.0.0.1:{ports[1]}", b"", [],
+                                         layout(prefill_bs)))
+            await settle()
+            assert inboxes[1].poll(5000), "no answer to the matching worker"
+            assert isinstance(decode(inboxes[1].recv()), Registered)
+        finally:
+            for s in inboxes:
+                s.close(0)
+
+    run(body)
