@@ -25,7 +25,9 @@ __all__ = [
 ]
 
 
-def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant=None) -> None:
+def _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant=None, int8_only=False) -> None:
+    if int8_only and kv_quant != "int8":
+        raise ValueError(f"per-channel K blocks and a K residual are an int8 layout, got kv_quant={kv_quant!r}")
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -409,9 +411,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     Raises:
         ValueError: shapes or dtypes that do not fit (a quantized row of another length).
     """
-    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant)
-    if (channel_k or resid is not None) and kv_quant != "int8":
-        raise ValueError(f"per-channel K blocks and a K residual are an int8 layout, got kv_quant={kv_quant!r}")
+    _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant, channel_k or resid is not None)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     quant = {None: 0, "int8": 1, "fp8_e4m3": 2}[kv_quant]
@@ -491,9 +491,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if kv_quant is not None:
         from epd.kernels.kv_quant import dequantize_blocks, overlay_residual
 
-        _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant)
-        if (channel_k or resid is not None) and kv_quant != "int8":
-            raise ValueError(f"per-channel K blocks and a K residual are an int8 layout, got kv_quant={kv_quant!r}")
+        _check_decode_args(q, k_cache, v_cache, block_tables, context_lens, kv_quant,
+                           channel_k or resid is not None)
         k_cache, v_cache, block_tables = dequantize_blocks(k_cache, v_cache, block_tables, kv_quant, q.dtype,
                                                            context_lens if channel_k else None)
         if resid is not None:

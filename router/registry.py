@@ -112,8 +112,9 @@ class PoolRegistry:
             return None
         other = next((w for w in self.workers.values() if w.info.kv_layout is not None
                       and w.instance_id != info.instance_id), None)
-        if info.kv_layout is not None and other is not None and other.info.kv_layout.dtype != info.kv_layout.dtype:
-            mine, theirs = info.kv_layout.dtype, other.info.kv_layout.dtype
+        mine_layout = info.kv_layout if other is not None else None
+        if mine_layout is not None and other.info.kv_layout.dtype != mine_layout.dtype:
+            mine, theirs = mine_layout.dtype, other.info.kv_layout.dtype
             # a quantized cache's layout dtype is its kind ("int8", "fp8_e4m3"): the flag that differs
             # is --kv-cache-dtype (with "auto" the cache follows --dtype)
             flags = ("--kv-cache-dtype (and, with --kv-cache-dtype auto, --dtype)"
@@ -122,9 +123,8 @@ class PoolRegistry:
                                f"between prefill and decode byte for byte, so start every prefill and decode worker "
                                f"with the same {flags}", permanent=True)
             return None
-        if (info.kv_layout is not None and other is not None
-                and other.info.kv_layout.block_size != info.kv_layout.block_size):
-            self._refuse(info, f"its KV blocks hold {info.kv_layout.block_size} tokens, but worker "
+        if mine_layout is not None and other.info.kv_layout.block_size != mine_layout.block_size:
+            self._refuse(info, f"its KV blocks hold {mine_layout.block_size} tokens, but worker "
                                f"{other.instance_id}'s hold {other.info.kv_layout.block_size}: KV moves between "
                                f"prefill and decode block by block, so start every prefill and decode worker with "
                                f"the same --block-size", permanent=True)

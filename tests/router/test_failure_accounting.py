@@ -209,38 +209,30 @@ def test_a_worker_with_another_kv_dtype_is_refused_for_good():
     run(body)
 
 
-@pytest.mark.parametrize("prefill_kv,decode_kv", [("int8", "fp8_e4m3"), ("int8", "float32"), ("float32", "int8")])
-def test_a_worker_with_another_kv_cache_dtype_is_refused_naming_the_flag(prefill_kv, decode_kv):
-    """``--kv-cache-dtype`` on one side only, or int8 against fp8_e4m3 (rows of the same
-    length: 16 one-byte values and 4 bytes of scales at head_dim 16, so only the name
-    tells them apart): the decode worker would read the other's bytes as its own
-    format. It is refused permanently, naming --kv-cache-dtype; a worker with the same
-    quantized cache is accepted."""
+def _refused_then_matched(prefill: KVLayout, decode_layout: KVLayout, named: list[str]) -> None:
+    """A decode worker with ``decode_layout`` next to a prefill one with ``prefill``: refused
+    permanently with every string of ``named`` in the reason; then one with the prefill
+    worker's layout: registered."""
     import zmq
 
     from epd.messages import Registered, RegistrationRefused, decode
-
-    def layout(kind: str) -> KVLayout:
-        return KVLayout(2, 64, BS, 2, 16 if kind == "float32" else 16 + 4, kind, [], [])
 
     async def body(router: Router) -> None:
         ctx = zmq.Context.instance()
         inboxes = [ctx.socket(zmq.PULL) for _ in range(2)]
         ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in inboxes]
         try:
-            router._dispatch(WorkerReady("prefill", "prefill-q", 6100, "tcp://127.0.0.1:1", b"", [],
-                                         layout(prefill_kv)))
+            router._dispatch(WorkerReady("prefill", "prefill-q", 6100, "tcp://127.0.0.1:1", b"", [], prefill))
             router._dispatch(WorkerReady("decode", "decode-q", 6101, f"tcp://127.0.0.1:{ports[0]}", b"", [],
-                                         layout(decode_kv)))
+                                         decode_layout))
             await settle()
             assert inboxes[0].poll(5000), "no answer to the refused worker"
             answer = decode(inboxes[0].recv())
             assert isinstance(answer, RegistrationRefused) and answer.permanent, answer
-            assert prefill_kv in answer.reason and decode_kv in answer.reason and "--kv-cache-dtype" in answer.reason
+            assert all(n in answer.reason for n in named), (named, answer.reason)
             assert "decode-q" not in router.registry.workers and "prefill-q" in router.registry.workers
-            # the same quantized (or full-precision) cache as the prefill worker: registered
             router._dispatch(WorkerReady("decode", "decode-same", 6102, f"tcp://127.0.0.1:{ports[1]}", b"", [],
-                                         layout(prefill_kv)))
+                                         prefill))
             await settle()
             assert inboxes[1].poll(5000), "no answer to the matching worker"
             assert isinstance(decode(inboxes[1].recv()), Registered)
@@ -252,6 +244,19 @@ def test_a_worker_with_another_kv_cache_dtype_is_refused_naming_the_flag(prefill
     run(body)
 
 
+@pytest.mark.parametrize("prefill_kv,decode_kv", [("int8", "fp8_e4m3"), ("int8", "float32"), ("float32", "int8")])
+def test_a_worker_with_another_kv_cache_dtype_is_refused_naming_the_flag(prefill_kv, decode_kv):
+    """``--kv-cache-dtype`` on one side only, or int8 against fp8_e4m3 (rows of the same
+    length: 16 one-byte values and 4 bytes of scales at head_dim 16, so only the name
+    tells them apart): the decode worker would read the other's bytes as its own
+    format. It is refused permanently, naming --kv-cache-dtype; a worker with the same
+    quantized cache is accepted."""
+    def layout(kind: str) -> KVLayout:
+        return KVLayout(2, 64, BS, 2, 16 if kind == "float32" else 16 + 4, kind, [], [])
+
+    _refused_then_matched(layout(prefill_kv), layout(decode_kv), [prefill_kv, decode_kv, "--kv-cache-dtype"])
+
+
 @pytest.mark.parametrize("prefill_bs,decode_bs", [(16, 32), (32, 16)])
 def test_a_worker_with_another_block_size_is_refused_naming_the_flag(prefill_bs, decode_bs):
     """``--block-size`` 16 on one side and 32 on the other: KV moves block by block, so a
@@ -259,36 +264,7 @@ def test_a_worker_with_another_block_size_is_refused_naming_the_flag(prefill_bs,
     positions (found by a fresh user: wrong greedy text, no error) and smaller ones make
     every write fail. It is refused permanently, naming --block-size; a worker with the
     same block size is accepted."""
-    import zmq
-
-    from epd.messages import Registered, RegistrationRefused, decode
-
     def layout(bs: int) -> KVLayout:
         return KVLayout(2, 64, bs, 2, 16, "float32", [], [])
 
-    async def body(router: Router) -> None:
-        ctx = zmq.Context.instance()
-        inboxes = [ctx.socket(zmq.PULL) for _ in range(2)]
-        ports = [s.bind_to_random_port("tcp://127.0.0.1") for s in inboxes]
-        try:
-            router._dispatch(WorkerReady("prefill", "prefill-b", 6100, "tcp://127.0.0.1:1", b"", [],
-                                         layout(prefill_bs)))
-            router._dispatch(WorkerReady("decode", "decode-b", 6101, f"tcp://127.0.0.1:{ports[0]}", b"", [],
-                                         layout(decode_bs)))
-            await settle()
-            assert inboxes[0].poll(5000), "no answer to the refused worker"
-            answer = decode(inboxes[0].recv())
-            assert isinstance(answer, RegistrationRefused) and answer.permanent, answer
-            assert f"{prefill_bs}" in answer.reason and f"{decode_bs}" in answer.reason
-            assert "--block-size" in answer.reason
-            assert "decode-b" not in router.registry.workers and "prefill-b" in router.registry.workers
-            router._dispatch(WorkerReady("decode", "decode-same-bs", 6102, f"tcp://127.0.0.1:{ports[1]}", b"", [],
-                                         layout(prefill_bs)))
-            await settle()
-            assert inboxes[1].poll(5000), "no answer to the matching worker"
-            assert isinstance(decode(inboxes[1].recv()), Registered)
-        finally:
-            for s in inboxes:
-                s.close(0)
-
-    run(body)
+    _refused_then_matched(layout(prefill_bs), layout(decode_bs), [str(prefill_bs), str(decode_bs), "--block-size"])
