@@ -1078,19 +1078,10 @@ def diagnose(url: str, window_s: float = 60.0, *, interval_s: float = DEFAULT_IN
 
 
 # ---- command line ------------------------------------------------------------------------------
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x > 0 or math.isinf(x):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return x
-
-
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``diagnose`` subcommand to an ``argparse`` sub-parser set."""
+    from epd.cli import validators
+
     d = sub.add_parser("diagnose", help="read a running server's /metrics over a window and name its bottleneck",
                        description="Scrapes URL/metrics twice, --window seconds apart (gauges every --interval), "
                                    "reports per pool the rates and p50/p95/p99 of every stage, KV usage, "
@@ -1098,18 +1089,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "cause and the fix to try. Exit code: 0 healthy, 1 a symptom, 2 the server "
                                    "could not be read, 3 nothing judged (no or too little traffic in the window).")
     d.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
-    d.add_argument("--window", type=positive_float, default=60.0,
+    d.add_argument("--window", type=validators.positive_float, default=60.0,
                    help="seconds between the two scrapes (default: %(default)s)")
-    d.add_argument("--interval", type=positive_float, default=DEFAULT_INTERVAL_S,
+    d.add_argument("--interval", type=validators.positive_float, default=DEFAULT_INTERVAL_S,
                    help="seconds between the gauge samples inside the window (default: %(default)s)")
-    d.add_argument("--ttft-slo", type=positive_float, default=DEFAULT_TTFT_SLO_S,
+    d.add_argument("--ttft-slo", type=validators.positive_float, default=DEFAULT_TTFT_SLO_S,
                    help="TTFT SLO of the goodput check, seconds (default: %(default)s)")
-    d.add_argument("--tpot-slo", type=positive_float, default=DEFAULT_TPOT_SLO_S,
+    d.add_argument("--tpot-slo", type=validators.positive_float, default=DEFAULT_TPOT_SLO_S,
                    help="TPOT SLO of the goodput check, seconds (default: %(default)s)")
     d.add_argument("--ignore", action="append", default=[], choices=sorted(SYMPTOMS), metavar="ID",
                    help="a symptom that does not count (repeatable), e.g. prefix_cache_miss for prompts that "
                         "never repeat")
-    d.add_argument("--timeout", type=positive_float, default=10.0, help="seconds one scrape may take")
+    d.add_argument("--timeout", type=validators.positive_float, default=10.0, help="seconds one scrape may take")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=cmd_diagnose)
     return d

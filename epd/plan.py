@@ -130,8 +130,8 @@ from pathlib import Path
 
 import numpy as np
 
-from epd.diagnose import (ITL, PREFILL, PROMPT_TOKENS, TTFT, MetricsError, Window, metrics_url, positive_float,
-                          scrape)
+from epd.cli.validators import non_negative_float, non_negative_int, positive_float, positive_int
+from epd.diagnose import (ITL, PREFILL, PROMPT_TOKENS, TTFT, MetricsError, Window, metrics_url, scrape)
 
 __all__ = ["DecodeFit", "DecodeInterference", "Observation", "PlanError", "PrefillFit", "Profile", "Prediction",
            "Workload", "add_parser", "apply", "extrapolation_warnings", "fit_corrections", "fit_decode",
@@ -1200,11 +1200,6 @@ def _window(text: str) -> float:
     return x
 
 
-def _non_negative_int(text: str) -> int:
-    (n,) = _non_negative_ints(text)
-    return n
-
-
 def _writable(path: str | Path) -> Path:
     """``path`` as a file that can be written (its folder exists, it is no folder), checked
     before any measuring. Raises PlanError."""
@@ -1224,13 +1219,11 @@ def _write(path: Path, text: str) -> None:
 
 
 def _trace_arguments(p: argparse.ArgumentParser, what: str) -> None:
-    from epd.cli import _positive_int
-
     p.add_argument("--trace", help=what)
-    p.add_argument("--limit", type=_positive_int, default=None, help="trace rows (default: 1000)")
-    p.add_argument("--start", type=_non_negative_int, default=None, help="first trace row (0-based; default: 0)")
+    p.add_argument("--limit", type=positive_int, default=None, help="trace rows (default: 1000)")
+    p.add_argument("--start", type=non_negative_int, default=None, help="first trace row (0-based; default: 0)")
     p.add_argument("--scale", type=positive_float, default=None, help="trace length factor (as epd bench)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="scale the trace's lengths to fit this (as epd bench), unless --scale (default: the "
                         "profiled server's max_model_len)")
 
@@ -1262,8 +1255,6 @@ def _trace_workload_of(args: argparse.Namespace, prof: Profile, rate: float | No
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand (``profile``, ``recommend``) to an ``argparse`` sub-parser set."""
-    from epd.cli import _non_negative_float, _positive_int
-
     p = sub.add_parser("plan", help="profile a running server and size the pools for a workload and SLOs",
                        description=__doc__.split("\n\n")[0])
     psub = p.add_subparsers(dest="plan_command", required=True)
@@ -1272,12 +1263,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pr.add_argument("--out", default="profile.json", help="the profile JSON to write (default: %(default)s)")
     pr.add_argument("--lengths", type=_positive_ints, default=DEFAULT_PREFILL_LENGTHS,
                     help="prefill input lengths, tokens (default: 64,128,256,512,1024,2048)")
-    pr.add_argument("--repeats", type=_positive_int, default=3, help="requests per input length (default: %(default)s)")
+    pr.add_argument("--repeats", type=positive_int, default=3, help="requests per input length (default: %(default)s)")
     pr.add_argument("--batches", type=_positive_ints, default=DEFAULT_BATCHES,
                     help="decode batch sizes (default: 1,2,4,8)")
     pr.add_argument("--contexts", type=_positive_ints, default=DEFAULT_CONTEXTS,
                     help="decode prompt lengths, tokens (default: 64,512)")
-    pr.add_argument("--decode-tokens", type=_positive_int, default=64, help="tokens per decode request (default: %(default)s)")
+    pr.add_argument("--decode-tokens", type=positive_int, default=64, help="tokens per decode request (default: %(default)s)")
     pr.add_argument("--prefill-under-decode", type=_non_negative_ints, default=(0, 4, 16), metavar="STREAMS",
                     help="time prefill alone (0) and/or while this many long streamed decode requests run, "
                          "comma-separated, e.g. 0,4,16: two or more counts give the interference table that "
@@ -1289,7 +1280,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          "0,0.5,1: any duty above 0 gives the decode-under-prefill table that `recommend` slows "
                          "each decode step by at the simulated prefill pool's busy state (the mirror of "
                          "--prefill-under-decode; default: 0,0.5,1; 0 alone: no table)")
-    pr.add_argument("--prefill-load-tokens", type=_positive_int, default=512,
+    pr.add_argument("--prefill-load-tokens", type=positive_int, default=512,
                     help="input tokens of each background prefill of --decode-under-prefill (default: 512)")
     pr.add_argument("--timeout", type=positive_float, default=300.0, help="seconds one request may take (default: %(default)g)")
     pr.set_defaults(func=cmd_profile)
@@ -1312,16 +1303,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     r = psub.add_parser("recommend", help="the smallest e:N,p:M,d:K meeting the TTFT and ITL SLOs")
     r.add_argument("--profile", required=True, help="a profile JSON of `epd plan profile`")
     _trace_arguments(r, "a ../shared/traces trace (.jsonl Mooncake or .csv Azure)")
-    r.add_argument("--isl-mean", type=_positive_int, help="synthetic workload: input tokens")
-    r.add_argument("--osl-mean", type=_positive_int, help="synthetic workload: output tokens")
+    r.add_argument("--isl-mean", type=positive_int, help="synthetic workload: input tokens")
+    r.add_argument("--osl-mean", type=positive_int, help="synthetic workload: output tokens")
     r.add_argument("--rate", type=positive_float, help="req/s (synthetic; rescales a trace's times)")
-    r.add_argument("--num-requests", type=_positive_int, default=None, help="synthetic requests (default: 1000)")
-    r.add_argument("--cv", type=_non_negative_float, default=None,
+    r.add_argument("--num-requests", type=positive_int, default=None, help="synthetic requests (default: 1000)")
+    r.add_argument("--cv", type=non_negative_float, default=None,
                    help="synthetic arrivals' coefficient of variation (default: 1, Poisson; 0: fixed gaps)")
     r.add_argument("--seed", type=int, default=None, help="synthetic arrivals' seed (default: 0)")
     r.add_argument("--ttft-slo", type=positive_float, required=True, help="p90 TTFT SLO, seconds")
     r.add_argument("--itl-slo", type=positive_float, required=True, help="p90 ITL SLO, seconds")
-    r.add_argument("--max-devices", type=_positive_int, default=16, help="devices for p and d (default: 16)")
+    r.add_argument("--max-devices", type=positive_int, default=16, help="devices for p and d (default: 16)")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     r.add_argument("--apply", action="store_true", help="set the recommended replicas through --connector")
     r.add_argument("--connector", choices=("local", "kubernetes"), default=None, help="with --apply (default: local)")

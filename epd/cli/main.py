@@ -11,6 +11,7 @@ import time
 from epd.launch_config import (DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES,
                                TOOL_CALL_PARSERS, VIDEO_ENCODE_SPLITS, WORKER_ENGINE_FLAGS, KV_AGENTS, LaunchConfig,
                                int_list)
+from epd.cli.validators import non_negative_float, non_negative_int, positive_float, positive_int
 from epd.roles import ROLE_NAMES, Role
 
 _KV_CACHE_DTYPE_HELP = ("KV cache: auto (the model's dtype), or quantized, int8 or fp8_e4m3 (fp8): 1 byte a value "
@@ -91,46 +92,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"model loaded in {load_s:.1f} s]", file=sys.stderr)
     llm.shutdown()
     return 0
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return x
-
-
-def _positive_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (x > 0 and x != float("inf")):  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return x
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -328,7 +289,7 @@ def _add_launch_parser(sub) -> None:
                     help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
     la.add_argument("--host", default=d.host, help="HTTP address (default: %(default)s)")
     la.add_argument("--port", type=int, default=d.port, help="HTTP port (default: %(default)s)")
-    la.add_argument("--threads-per-worker", type=_positive_int, default=d.threads_per_worker,
+    la.add_argument("--threads-per-worker", type=positive_int, default=d.threads_per_worker,
                     help="fixed torch threads per worker process (default: the thread budget: the host's cores "
                          "go to the workers that have work, cores // busy workers each, step by step)")
     la.add_argument("--router-port", type=int, default=d.router_port,
@@ -348,7 +309,7 @@ def _add_launch_parser(sub) -> None:
     _add_routing_args(la.add_argument_group("routing"), d)
     _add_recovery_args(la.add_argument_group("failure recovery"), d)
     _add_api_args(la.add_argument_group("OpenAI API"), d)
-    la.add_argument("--kv-staging-mb", type=_positive_int, default=d.kv_staging_mb,
+    la.add_argument("--kv-staging-mb", type=positive_int, default=d.kv_staging_mb,
                     help="staging pool per prefill/decode instance (MiB) for KV transfers when prefill or "
                          "decode is tensor-parallel (default: %(default)s)")
     la.add_argument("--kv-agents", choices=KV_AGENTS, default=d.kv_agents, help=_KV_AGENTS_HELP)
@@ -370,7 +331,7 @@ def _add_routing_args(rt, d: LaunchConfig) -> None:
                     help="auto: with 2+ live encoders, a Qwen-VL video of 2+ temporal patches is encoded in "
                          "contiguous chunks of temporal patches, one per encoder (exact: the tower attends within "
                          "a patch); off: a request's items all go to one encoder (default: %(default)s)")
-    rt.add_argument("--kv-overlap-weight", type=_non_negative_float, default=d.kv_overlap_weight,
+    rt.add_argument("--kv-overlap-weight", type=non_negative_float, default=d.kv_overlap_weight,
                     help="weight of the blocks still to prefill against the open blocks in the kv policy's cost "
                          "(default: %(default)s; 0 ignores cached prefixes)")
 
@@ -402,9 +363,9 @@ def _add_api_args(api, d: LaunchConfig) -> None:
                      help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EPD_API_KEY, else none)")
     api.add_argument("--max-body-mb", type=float, default=d.max_body_mb,
                      help="largest request body in MiB; larger ones get 413 (default: %(default)s)")
-    api.add_argument("--max-pending-requests", type=_positive_int, default=d.max_pending_requests,
+    api.add_argument("--max-pending-requests", type=positive_int, default=d.max_pending_requests,
                      help="requests in flight at once; more get 429 (default: %(default)s)")
-    api.add_argument("--max-n", type=_positive_int, default=d.max_n,
+    api.add_argument("--max-n", type=positive_int, default=d.max_n,
                      help="largest n (choices per request) (default: %(default)s)")
     api.add_argument("--allowed-media-domains", default=d.allowed_media_domains,
                      help="comma-separated hosts whose http(s) image URLs are fetched (subdomains included); "
@@ -414,17 +375,17 @@ def _add_api_args(api, d: LaunchConfig) -> None:
                      help="seconds one media URL fetch may take, redirects included (default: %(default)s)")
     api.add_argument("--max-media-mb", type=float, default=d.max_media_mb,
                      help="largest fetched media body in MiB (default: %(default)s)")
-    api.add_argument("--video-fps", type=_positive_float, default=d.video_fps,
+    api.add_argument("--video-fps", type=positive_float, default=d.video_fps,
                      help="frames sampled per second of a video_url's video; a request's "
                           "media_io_kwargs.video.fps overrides it (default: %(default)s)")
-    api.add_argument("--max-video-frames", type=_positive_int, default=d.max_video_frames,
+    api.add_argument("--max-video-frames", type=positive_int, default=d.max_video_frames,
                      help="most frames sampled from one video (longer videos are sampled more sparsely, uniformly "
                           "over their duration); a request's media_io_kwargs.video.num_frames may ask for fewer "
                           "(default: %(default)s)")
-    api.add_argument("--max-video-seconds", type=_positive_float, default=d.max_video_seconds,
+    api.add_argument("--max-video-seconds", type=positive_float, default=d.max_video_seconds,
                      help="longest video accepted, from its header and again while decoding; longer ones get "
                           "400 (default: %(default)s)")
-    api.add_argument("--max-realtime-sessions", type=_positive_int, default=d.max_realtime_sessions,
+    api.add_argument("--max-realtime-sessions", type=positive_int, default=d.max_realtime_sessions,
                      help="/v1/realtime sessions open at once; more are closed with code 1013 (default: %(default)s)")
     api.add_argument("--allowed-origins", default=d.allowed_origins,
                      help="comma-separated browser origins (scheme://host[:port], or *) allowed to open /v1/realtime; "
@@ -457,7 +418,7 @@ def _add_serve_parser(sub) -> None:
                         "(default: %(default)s)")
     s.add_argument("--cluster-keys", default=d.cluster_keys,
                    help="directory of the cluster's CURVE keys (`epd keys generate`) (default: $EPD_CLUSTER_KEYS)")
-    s.add_argument("--max-model-len", type=_positive_int, default=None,
+    s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + output served (default: the model's)")
     _add_routing_args(s.add_argument_group("routing"), d)
     _add_recovery_args(s.add_argument_group("failure recovery"), d, launcher=False)
@@ -482,7 +443,7 @@ def _add_worker_parser(sub) -> None:
                         "(default: $EPD_INSTANCE_ID)")
     w.add_argument("--rank", type=int, default=0,
                    help="TP rank inside the instance: 0 (rank 0 starts ranks 1..tp-1 itself, on this host)")
-    w.add_argument("--tp", type=_positive_int, default=1, help="TP ranks of the instance")
+    w.add_argument("--tp", type=positive_int, default=1, help="TP ranks of the instance")
     w.add_argument("--router", default=os.environ.get("EPD_ROUTER"),
                    help="router's ZeroMQ endpoint, e.g. tcp://10.0.0.5:5557 (default: $EPD_ROUTER)")
     w.add_argument("--advertise-host", default=os.environ.get("EPD_ADVERTISE_HOST", "127.0.0.1"),
@@ -493,7 +454,7 @@ def _add_worker_parser(sub) -> None:
     w.add_argument("--http-port", type=int, default=0,
                    help="serve GET /health (200 once the router has this worker, 503 while draining), /live and "
                         "/metrics on the advertised address (default: 0, off)")
-    w.add_argument("--drain-timeout", type=_non_negative_float, default=30.0,
+    w.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="seconds a SIGTERM'd worker may take to finish or hand off its requests before it exits "
                         "(default: %(default)s; 0: stop at once)")
     w.add_argument("--ucx-net-devices", default=None,
@@ -501,18 +462,18 @@ def _add_worker_parser(sub) -> None:
                         "else the interface holding --advertise-host); UCX_TLS passes through from the environment")
     w.add_argument("--model", default=None,
                    help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
-    w.add_argument("--threads", type=_positive_int, default=None,
+    w.add_argument("--threads", type=positive_int, default=None,
                    help="fixed torch threads (default: the thread budget: this host's cores shared by the "
                         "workers that have work, see epd.workers.thread_budget)")
     w.add_argument("--kv-timeout", type=float, default=30.0,
                    help="seconds one NIXL transfer (KV, embeddings) may take before it fails (default: %(default)s)")
-    w.add_argument("--block-size", type=_positive_int, default=16)
-    w.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    w.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    w.add_argument("--max-prefill-tokens-with-decodes", type=_non_negative_int, default=256,
+    w.add_argument("--block-size", type=positive_int, default=16)
+    w.add_argument("--max-num-seqs", type=positive_int, default=64)
+    w.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    w.add_argument("--max-prefill-tokens-with-decodes", type=non_negative_int, default=256,
                    help="prefill tokens per step while requests decode (stall-free batching; 0: off; "
                         "default: %(default)s)")
-    w.add_argument("--target-step-ms", type=_non_negative_float, default=100.0,
+    w.add_argument("--target-step-ms", type=non_negative_float, default=100.0,
                    help="while requests decode, keep each step's predicted time under this many ms by "
                         "bounding its prefill tokens (stall-free batching on a step-time model fitted to "
                         "the worker's own steps; 0: off, tokens capped only; default: %(default)s)")
@@ -531,9 +492,9 @@ def _add_worker_parser(sub) -> None:
                    help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default: 1,2,4 and multiples "
                         "of 8 up to --max-num-seqs; CUDA at TP 1 only)")
     w.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
-    w.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+    w.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV cache size in blocks (overrides --kv-cache-memory-gb)")
-    w.add_argument("--max-model-len", type=_positive_int, default=None)
+    w.add_argument("--max-model-len", type=positive_int, default=None)
     w.add_argument("--kv-staging-mb", type=int, default=0,
                    help="staging pool (MiB) for KV transfers between different TP layouts (0: none)")
     w.add_argument("--kv-agents", choices=KV_AGENTS, default="rank0", help=_KV_AGENTS_HELP)
@@ -615,6 +576,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"epd {args.command}: {type(e).__name__}: {e} (set EPD_DEBUG=1 for the traceback)", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
