@@ -68,7 +68,7 @@ def make_video(width: int, height: int, fps: int, seconds: float, fmt: str = "mp
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from epd.encoders.media import MediaError
+    from epd.encoders.media_limits import MediaError
     from epd.encoders.video import VideoSampling, decode_video
     from tests.encoders.video_files import with_declared_frames
 

@@ -1,8 +1,8 @@
 """Multimodal prompt processing: media -> preprocessed tensors, item hashes, placeholders.
 
 Runs where tokenization runs (the API process, or ``LLM`` offline). For each
-media item it decodes under limits (``epd.encoders.media``), preprocesses with
-the model's own transformers processor (CLIP/SigLIP image processor,
+media item it decodes under limits (``epd.encoders.image``, ``epd.encoders.audio``),
+preprocesses with the model's own transformers processor (CLIP/SigLIP image processor,
 ``WhisperFeatureExtractor``), hashes the result together with the
 preprocessing parameters (sha256, full digest), and expands the item's single
 placeholder token in the prompt to exactly as many placeholder tokens as the
@@ -26,7 +26,9 @@ import torch
 from PIL import Image
 from transformers import PretrainedConfig
 
-from epd.encoders.media import MediaLimits, decode_audio, decode_image, normalize_audio, normalize_image
+from epd.encoders.audio import decode_audio, normalize_audio
+from epd.encoders.image import decode_image, normalize_image
+from epd.encoders.media_limits import MediaLimits
 from epd.encoders.video import DecodedVideo, VideoFrame, VideoSampling, decode_video, normalize_video
 from epd.errors import InvalidRequestError
 from epd.multimodal import MediaItem, Placeholder
@@ -100,7 +102,7 @@ class MultiModalProcessor:
     Raises (from ``process``):
         InvalidRequestError: the model does not take that modality, or
             placeholders and items do not match.
-        epd.encoders.media.MediaError: undecodable or over-limit media.
+        epd.encoders.media_limits.MediaError: undecodable or over-limit media.
     """
 
     def __init__(self, model_dir: str | Path, config: PretrainedConfig, *,
@@ -195,7 +197,7 @@ class MultiModalProcessor:
 
         Raises:
             InvalidRequestError: the model takes no video, or ``video`` is neither.
-            epd.encoders.media.MediaError: undecodable or over a limit.
+            epd.encoders.media_limits.MediaError: undecodable or over a limit.
         """
         if "video" not in self.modalities:
             raise InvalidRequestError("this model does not accept video", "multi_modal_data")

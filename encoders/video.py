@@ -27,8 +27,8 @@ Frames are sampled uniformly in time: ``n = min(max_frames, floor(duration * fps
 frame rate. A stream that ends before the frame shown at the last ``t_k`` (a truncated
 file) is rejected.
 
-Every failure is a :class:`epd.encoders.media.MediaError` with ``modality="video"``; the
-API answers 400 (413 for :class:`~epd.encoders.media.MediaTooLargeError`, as for images).
+Every failure is a :class:`epd.encoders.media_limits.MediaError` with ``modality="video"``; the
+API answers 400 (413 for :class:`~epd.encoders.media_limits.MediaTooLargeError`, as for images).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from epd.encoders.media import (CorruptMediaError, EmptyMediaError, MediaError, MediaLimits, MediaTooLargeError,
-                                UnsupportedMediaError)
+from epd.encoders.media_limits import (CorruptMediaError, EmptyMediaError, MediaError, MediaLimits,
+                                       MediaTooLargeError, UnsupportedMediaError, as_bytes)
 
 __all__ = ["VIDEO_CODECS", "VIDEO_CONTAINERS", "VIDEO_PLACEHOLDER", "DecodedVideo", "VideoFrame", "VideoHeader",
            "VideoSampling", "decode_video", "normalize_video", "sniff_video"]
@@ -194,17 +194,6 @@ def _refuse_nested_open(url: str, flags: int, options: dict):
     raise PermissionError(f"the video references another file ({url!r}); only self-contained files are accepted")
 
 
-def _as_bytes(data: Any, limits: MediaLimits) -> bytes:
-    if isinstance(data, str) or not isinstance(data, (bytes, bytearray, memoryview)):
-        raise TypeError(f"video data must be bytes-like, got {type(data).__name__}")
-    n = data.nbytes if isinstance(data, memoryview) else len(data)
-    if n == 0:
-        raise EmptyMediaError("video data is empty (0 bytes)", modality="video")
-    if n > limits.max_video_bytes:
-        raise _too_large(f"video is {n} bytes; the limit is {limits.max_video_bytes} bytes")
-    return data if isinstance(data, bytes) else bytes(memoryview(data).cast("B"))
-
-
 def _header(container, kind: str, limits: MediaLimits) -> VideoHeader:
     """Checks every header-declared quantity against ``limits``; decodes nothing."""
     if not container.streams.video:
@@ -273,7 +262,7 @@ def decode_video(data: bytes, *, sampling: VideoSampling = VideoSampling(),
     """
     import av
 
-    buf = _as_bytes(data, limits)
+    buf = as_bytes(data, "video", limits.max_video_bytes)
     kind = sniff_video(buf)
     if kind is None:
         other = _other_format(buf)

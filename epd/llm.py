@@ -73,7 +73,7 @@ class LLM:
             self.engine.shutdown()
             raise ConfigError(str(e)) from None
         self.audio_mode = audio_mode
-        from epd.encoders.media import MediaLimits
+        from epd.encoders.media_limits import MediaLimits
 
         try:
             self.media_limits = MediaLimits(max_video_frames=max_video_frames, max_video_seconds=max_video_seconds)
@@ -113,7 +113,7 @@ class LLM:
     def _prepare(self, prompt: PromptType) -> tuple[str | None, list[int], dict]:
         """(text, token ids, engine kwargs for media) of one prompt.
 
-        Raises InvalidRequestError / epd.encoders.media.MediaError for bad input.
+        Raises InvalidRequestError / epd.encoders.media_limits.MediaError for bad input.
         """
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         proc = self.mm_processor

@@ -23,7 +23,7 @@ from epd.api.protocol import (BadRequest, ChatRequest, CompletionRequest, Sampli
                               check_body, too_many_requests)
 from epd.api.streaming import Choice, CompletionResponder, RequestTimer
 from epd.detokenizer import IncrementalDetokenizer
-from epd.encoders.media import MediaError
+from epd.encoders.media_limits import MediaError
 from epd.encoders.processor import MultiModalProcessor, ProcessedPrompt
 from epd.errors import CapacityError, InvalidRequestError
 from epd.router.router import RequestError, RouterRequest

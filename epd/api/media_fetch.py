@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from urllib.parse import urljoin, urlsplit
 
-from epd.encoders.media import MediaError
+from epd.encoders.media_limits import MediaError
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 

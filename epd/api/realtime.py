@@ -153,7 +153,7 @@ from epd.api.realtime_events import (DEFAULT_RATE, MAX_APPEND_BYTES, MIN_COMMIT_
 from epd.api.realtime_response import ASR_RETRY_S, ResponseStream, Transcriber
 from epd.api.realtime_tools import NO_TOOLS, SessionTools, check_tools
 from epd.api.vad import VAD_RATE, ServerVad, SpeechDetector
-from epd.encoders.media import MediaError
+from epd.encoders.media_limits import MediaError
 from epd.errors import InvalidRequestError
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from epd.api.streaming import RequestTimer
 from epd.api.tool_parsers import PARSERS, detect_parser
 from epd.api.tools import ToolPlan, apply_template, parse_arguments, template_renders_tools
 from epd.detokenizer import IncrementalDetokenizer
-from epd.encoders.media import MediaError
+from epd.encoders.media_limits import MediaError
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor, ProcessedPrompt
 from epd.errors import CapacityError, InvalidRequestError
 from epd.router.pipeline import TTS_SAMPLE_RATE

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoTokenizer
 from epd.api.chat_prompt import ChatPromptRenderer
 from epd.api.media_fetch import MediaFetcher
 from epd.api.protocol import BadRequest, ChatRequest
-from epd.encoders.media import MediaError
+from epd.encoders.media_limits import MediaError
 from epd.encoders.processor import MultiModalProcessor
 from epd.encoders.video import VideoFrame
 from epd.tiny import IMAGE_TOKEN, create_tiny_model

@@ -1,4 +1,4 @@
-"""epd.encoders.media: decoding untrusted image/audio bytes under limits.
+"""epd.encoders.image / audio / media_limits: decoding untrusted image/audio bytes under limits.
 
 The hostile inputs are built so that a naive decoder would visibly misbehave (allocate
 hundreds of MB, walk every frame, return the wrong frame, or raise a different error),
@@ -21,18 +21,16 @@ import pytest
 import soundfile as sf
 from PIL import GifImagePlugin, Image, ImageFile
 
-from epd.encoders import media
-from epd.encoders.media import (
+from epd.encoders import audio, image
+from epd.encoders.audio import decode_audio, normalize_audio
+from epd.encoders.image import decode_image, normalize_image
+from epd.encoders.media_limits import (
     CorruptMediaError,
     EmptyMediaError,
     MediaError,
     MediaLimits,
     MediaTooLargeError,
     UnsupportedMediaError,
-    decode_audio,
-    decode_image,
-    normalize_audio,
-    normalize_image,
 )
 
 # --------------------------------------------------------------------------- helpers
@@ -125,7 +123,7 @@ def test_limits_defaults_and_frozen():
     assert lim.max_audio_bytes == 50 * 2**20 and lim.max_audio_seconds == 600.0
     with pytest.raises(AttributeError):
         lim.max_image_pixels = 1  # type: ignore[misc]
-    assert media.IMAGE_FORMATS == {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
+    assert image.IMAGE_FORMATS == {"PNG", "JPEG", "WEBP", "GIF", "BMP"}
 
 
 def test_module_leaves_pillow_globals_alone():
@@ -393,7 +391,7 @@ def test_gif_with_10000_frames_decodes_first_frame_only(monkeypatch):
     head_g, green = _gif_parts(2)
     assert head == head_g
     data = head + red + green * 9_999 + b";"  # built by repetition: cheap
-    assert len(data) < media.MediaLimits().max_image_bytes
+    assert len(data) < MediaLimits().max_image_bytes
 
     visited: list[int] = []
     real_seek = GifImagePlugin.GifImageFile._seek
@@ -537,7 +535,7 @@ def test_resampled_length_and_pitch(rate, seconds):
 def test_odd_sample_rate_uses_bounded_kernel():
     # 47999 -> 16000 is coprime: torchaudio's exact kernel would be 16000 x ~48000 floats
     # (3 GB). The resampler must approximate the ratio instead.
-    kernel, _ = media._resample_cost(47999, 16000)
+    kernel, _ = audio._resample_cost(47999, 16000)
     assert kernel > 10**8
     tracemalloc.start()
     try:

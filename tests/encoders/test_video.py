@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from epd.encoders.media import (CorruptMediaError, EmptyMediaError, MediaLimits, MediaTooLargeError,
-                                UnsupportedMediaError)
+from epd.encoders.media_limits import (CorruptMediaError, EmptyMediaError, MediaLimits, MediaTooLargeError,
+                                       UnsupportedMediaError)
 from epd.encoders.video import VideoSampling, decode_video, normalize_video
 from tests.encoders.video_files import audio_only_mp4, frame_pixels, video, with_declared_frames
 
@@ -165,7 +165,7 @@ def test_normalize_video_takes_frames_as_given():
 def test_damaged_files_give_media_errors_only(fmt, codec):
     """Seeded byte damage anywhere in a valid file: decoded, or a MediaError (a 400), never
     another exception (a 500 and a dead request handler)."""
-    from epd.encoders.media import MediaError
+    from epd.encoders.media_limits import MediaError
 
     data = video(fmt, codec, frames=8)
     rng = np.random.default_rng(0)

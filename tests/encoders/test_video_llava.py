@@ -16,7 +16,7 @@ from PIL import Image
 
 from epd import LLM, SamplingParams
 from epd.config import ConfigError
-from epd.encoders.media import MediaError
+from epd.encoders.media_limits import MediaError
 from epd.encoders.processor import MultiModalProcessor
 from epd.encoders.video import VIDEO_PLACEHOLDER, VideoSampling
 from epd.errors import InvalidRequestError

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from epd.api.media_fetch import MediaFetcher, is_public_address
-from epd.encoders.media import MediaError
+from epd.encoders.media_limits import MediaError
 
 
 def _png() -> bytes:

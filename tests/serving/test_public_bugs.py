@@ -288,7 +288,7 @@ class TestTextPD:
         of the whole clip (both windows: it has words spoken after 0:30); the answer equals
         the offline engine's on that prompt; the encode worker lives on. (Qwen2-Audio's own
         tower over 30 s: tests/encoders/test_processor.py, offline.)"""
-        from epd.encoders.media import decode_audio
+        from epd.encoders.audio import decode_audio
         from epd.encoders.speech import SpeechFrontEnd
 
         server = text_pd
