@@ -64,6 +64,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .triton_support import interpret_mode, next_pow2, triton_importable
+
 #: the quantized ``kv_cache_dtype`` names -> (storage dtype of the values, qmax): int8 rows
 #: are asymmetric uint8 codes 0..255, fp8 rows symmetric e4m3 in [-448, 448]
 KV_QUANT = {"int8": (torch.uint8, 255.0), "fp8_e4m3": (torch.float8_e4m3fn, 448.0)}
@@ -414,9 +416,7 @@ def _get_kernel():
     ones, which they are if anything imported triton before ``TRITON_INTERPRET=1`` was set."""
     # jitted code resolves names (triton, tl, the helpers below) through module globals
     global triton, tl, _MIN, _MAX, _fp16_directed, _round_half_even, _quant_row
-    from .store_kv import _interpret_mode
-
-    mode = _interpret_mode()
+    mode = interpret_mode()
     kernel = _KERNELS.get(mode)
     if kernel is not None:
         return kernel
@@ -532,13 +532,11 @@ def store_quantized_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torc
     n, heads = key.shape[:2]
     if n == 0:
         return
-    from .store_kv import _next_pow2
-
     groups = scale_bytes(d) // 4
-    gsize = GROUP if groups > 1 or d == GROUP else _next_pow2(d)
+    gsize = GROUP if groups > 1 or d == GROUP else next_pow2(d)
     _get_kernel()[(n, heads)](key, value, k_cache, v_cache, slot_mapping, *key.stride(), *value.stride(),
                               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1], d,
-                              KV_QUANT[kind][1], BLOCK_G=_next_pow2(groups), GSIZE=gsize,
+                              KV_QUANT[kind][1], BLOCK_G=next_pow2(groups), GSIZE=gsize,
                               QUANT=1 if kind == "int8" else 2)
 
 
@@ -574,11 +572,9 @@ def store_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     """Quantize and store new K/V rows (arguments of :func:`store_quantized_triton`): the
     Triton kernel when every tensor is on CUDA, triton imports and ``head_dim % 4 == 0``,
     else :func:`store_quantized_ref`."""
-    from .store_kv import _triton_importable
-
     if (key.is_cuda and value.is_cuda and k_cache.is_cuda and v_cache.is_cuda and slot_mapping.is_cuda
             and key.shape[-1] % 4 == 0 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-            and _triton_importable()):
+            and triton_importable()):
         store_quantized_triton(key, value, k_cache, v_cache, slot_mapping, kind)
     else:
         store_quantized_ref(key, value, k_cache, v_cache, slot_mapping, kind)

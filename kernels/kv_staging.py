@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .store_kv import _interpret_mode, _next_pow2, _triton_importable
+from .triton_support import interpret_mode, next_pow2, triton_importable
 
 __all__ = ["pack_kv", "pack_kv_ref", "pack_kv_triton", "unpack_kv", "unpack_kv_ref", "unpack_kv_triton",
            "staging_shape"]
@@ -142,7 +142,7 @@ _KERNELS: dict[bool, tuple] = {}
 def _get_kernels():
     """Build (once per interpret mode, see ``store_kv._get_kernel``) the two kernels."""
     global triton, tl
-    mode = _interpret_mode()
+    mode = interpret_mode()
     kernels = _KERNELS.get(mode)
     if kernels is not None:
         return kernels
@@ -205,7 +205,7 @@ def pack_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torc
     block_elems = k_cache[0].numel()
     pack, _ = _get_kernels()
     pack[(n,)](k_cache, v_cache, block_ids, out, n, k_cache.stride(0), block_elems,
-               BLOCK=min(1024, _next_pow2(block_elems)))
+               BLOCK=min(1024, next_pow2(block_elems)))
 
 
 def unpack_kv_triton(staging: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -219,17 +219,17 @@ def unpack_kv_triton(staging: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if n == 0:
         return
     _, block_size, heads_of_rank, head_dim = k_cache.shape
-    block_d = _next_pow2(head_dim)
+    block_d = next_pow2(head_dim)
     _, unpack = _get_kernels()
     unpack[(n,)](staging, k_cache, v_cache, block_ids,
                  *staging.stride(),
                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                  block_size, heads_of_rank, staging.shape[4], head_start, head_dim,
-                 BLOCK_R=max(1, min(_next_pow2(block_size * heads_of_rank), 4096 // block_d)), BLOCK_D=block_d)
+                 BLOCK_R=max(1, min(next_pow2(block_size * heads_of_rank), 4096 // block_d)), BLOCK_D=block_d)
 
 
 def _use_triton(*tensors: torch.Tensor) -> bool:
-    return all(t.is_cuda for t in tensors) and _triton_importable()
+    return all(t.is_cuda for t in tensors) and triton_importable()
 
 
 def pack_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:

@@ -8,11 +8,12 @@ reference dequantizes the blocks the step reads first (``dequantize_blocks``).
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from .triton_support import interpret_mode, next_pow2, triton_importable
 
 if TYPE_CHECKING:
     from epd.kernels.kv_quant import KResidual
@@ -201,16 +202,6 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 # --------------------------------------------------------------------------- Triton
 
-def _interpret_mode() -> bool:
-    """Whether ``triton.jit`` builds interpreted functions right now (TRITON_INTERPRET)."""
-    try:
-        from triton import knobs  # triton >= 3.4 reads the env var through knobs
-
-        return bool(knobs.runtime.interpret)
-    except Exception:
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 # Bound by _get_kernel(): jitted code must see triton.language as a module global (the
 # interpreter resolves names through the kernel's globals, not its closure).
 triton = None
@@ -232,7 +223,7 @@ def _get_kernel():
     triton's standard combine functions instead (the interpreter maps those to numpy).
     """
     global triton, tl, _SUM, _MAX
-    mode = _interpret_mode()
+    mode = interpret_mode()
     kernel = _KERNELS.get(mode)
     if kernel is not None:
         return kernel
@@ -380,10 +371,6 @@ def _get_kernel():
 _MAX_TILE = 4096  # fp32 elements of one [BLOCK_G, TOKENS, BLOCK_D] product in the kernel
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, kv_quant: str | None = None, channel_k: bool = False,
@@ -423,7 +410,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     qgroup = QGROUP if head_dim % QGROUP == 0 else max(head_dim, 1)
     group = num_heads // num_kv_heads
-    block_g, block_d = _next_pow2(group), _next_pow2(head_dim)
+    block_g, block_d = next_pow2(group), next_pow2(head_dim)
     # Tokens per step: the largest power of two dividing block_size (all of it for the
     # usual power-of-two sizes), shrunk so the [BLOCK_G, TOKENS, BLOCK_D] fp32 products stay
     # within _MAX_TILE elements (no register spills with 4 warps; checked with ptxas for sm_90).
@@ -446,26 +433,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
           else (k_cache, context_lens, context_lens, 0, 0, 0, 0)),
         head_dim, qgroup, max(1, scale_bytes(head_dim) // 4),
         GROUP=group, BLOCK_G=block_g, BLOCK_SIZE=block_size, TOKENS=tokens, BLOCK_D=block_d,
-        BF16_RTNE=_interpret_mode() and q.dtype == torch.bfloat16, QUANT=quant,
+        BF16_RTNE=interpret_mode() and q.dtype == torch.bfloat16, QUANT=quant,
         CHANNEL_K=bool(channel_k), HAS_RESID=resid is not None,
     )
     return out
-
-
-_TRITON_OK: bool | None = None
-
-
-def _triton_importable() -> bool:
-    global _TRITON_OK
-    if _TRITON_OK is None:
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401
-
-            _TRITON_OK = True
-        except Exception:
-            _TRITON_OK = False
-    return _TRITON_OK
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -485,7 +456,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     dequantize the blocks the step reads (``dequantize_blocks``) and attend to those;
     ``channel_k`` and ``resid``: as :func:`paged_decode_attention_triton`."""
     if (q.is_cuda and k_cache.is_cuda and v_cache.is_cuda and block_tables.is_cuda
-            and context_lens.is_cuda and _triton_importable() and (kv_quant is None or q.shape[-1] % 4 == 0)):
+            and context_lens.is_cuda and triton_importable() and (kv_quant is None or q.shape[-1] % 4 == 0)):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, kv_quant,
                                              channel_k, resid)
     if kv_quant is not None:

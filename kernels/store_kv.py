@@ -5,9 +5,9 @@ Triton kernel for CUDA tensors, torch reference everywhere else.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .triton_support import interpret_mode, next_pow2, triton_importable
 
 __all__ = ["store_kvcache", "store_kvcache_ref", "store_kvcache_triton"]
 
@@ -64,16 +64,6 @@ def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 
 # --------------------------------------------------------------------------- Triton
 
-def _interpret_mode() -> bool:
-    """Whether ``triton.jit`` builds interpreted functions right now (TRITON_INTERPRET)."""
-    try:
-        from triton import knobs  # triton >= 3.4 reads the env var through knobs
-
-        return bool(knobs.runtime.interpret)
-    except Exception:
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 # Bound by _get_kernel(): jitted code must see triton.language as a module global (the
 # interpreter resolves names through the kernel's globals, not its closure).
 triton = None
@@ -92,7 +82,7 @@ def _get_kernel():
     imported before ``TRITON_INTERPRET=1`` was set.
     """
     global triton, tl
-    mode = _interpret_mode()
+    mode = interpret_mode()
     kernel = _KERNELS.get(mode)
     if kernel is not None:
         return kernel
@@ -141,10 +131,6 @@ def _get_kernel():
     return _store_kvcache_kernel
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Triton version of :func:`store_kvcache_ref` (same arguments, shapes and dtypes).
@@ -168,26 +154,10 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         k_cache.shape[1], num_heads, head_dim,
-        BLOCK_H=_next_pow2(num_heads), BLOCK_D=_next_pow2(head_dim),
-        BF16_RTNE=(_interpret_mode() and k_cache.dtype == torch.bfloat16
+        BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+        BF16_RTNE=(interpret_mode() and k_cache.dtype == torch.bfloat16
                    and (key.dtype != torch.bfloat16 or value.dtype != torch.bfloat16)),
     )
-
-
-_TRITON_OK: bool | None = None
-
-
-def _triton_importable() -> bool:
-    global _TRITON_OK
-    if _TRITON_OK is None:
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401
-
-            _TRITON_OK = True
-        except Exception:
-            _TRITON_OK = False
-    return _TRITON_OK
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -198,7 +168,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     ``[num_blocks, block_size, num_kv_heads, head_dim]``, slot_mapping ``[num_tokens]``
     int32/int64 with ``slot < 0`` = skip (vLLM ``reshape_and_cache`` semantics)."""
     if (key.is_cuda and value.is_cuda and k_cache.is_cuda and v_cache.is_cuda
-            and slot_mapping.is_cuda and _triton_importable()):
+            and slot_mapping.is_cuda and triton_importable()):
         store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
