@@ -34,16 +34,6 @@ class _Linear(nn.Module):
         param.data.copy_(loaded)
 
 
-class ReplicatedLinear(_Linear):
-    """y = x W^T + b with W whole on every rank. W: [out, in]."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class ColumnParallelLinear(_Linear):
     """Output features split over ranks: W: [out / tp, in]; output stays sharded."""
 
