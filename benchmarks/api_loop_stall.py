@@ -36,8 +36,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,8 +45,8 @@ from pathlib import Path
 
 import httpx
 import websockets
+from _common import ROOT, git_commit, launch, stop_launched
 
-ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars shine above "
          "quiet hills and rivers run to the sea").split()
 
@@ -67,22 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-s", type=float, default=3.0, help="seconds measured before response.create")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     return p.parse_args(argv)
-
-
-def launch(model_dir: str, pools: str) -> tuple[subprocess.Popen, str]:
-    """``epd launch`` of ``model_dir`` on a free port; (process, base URL) once it serves."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "epd.cli", "launch", "--port", str(port), "--pools", pools,
-                             "--model", model_dir, "--kv-cache-memory-gb", "0.05"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in proc.stdout:
-        if "serving" in line:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep draining
-            return proc, f"http://127.0.0.1:{port}"
-    raise RuntimeError(f"epd launch exited (rc={proc.wait()}) before serving")
 
 
 def item_text(i: int, chars: int) -> str:
@@ -236,14 +218,6 @@ def plot(runs: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     proc, url = None, args.url
@@ -255,20 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, "-m", "epd.cli", "model", "create-tiny", "llama", model_dir], check=True,
                        stdout=subprocess.DEVNULL)
         print(f"launching epd ({args.pools}, tiny llama) ...", flush=True)
-        proc, url = launch(model_dir, args.pools)
+        proc, url = launch(args.pools, "--model", model_dir, "--kv-cache-memory-gb", "0.05")
     load_start = os.getloadavg()
     try:
         run = asyncio.run(measure(url, args))
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_launched(proc)
         tmp.cleanup()
     run.update(items=args.items, item_chars=args.item_chars, streams=args.streams, pools=args.pools,
-               git_commit=_git_commit(), loadavg_start=load_start, loadavg_end=os.getloadavg(),
+               git_commit=git_commit(), loadavg_start=load_start, loadavg_end=os.getloadavg(),
                cpu_count=os.cpu_count(), platform=platform.platform())
 
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -28,24 +28,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _common import ROOT, fmt_ms, fmt_ratio, load_avg, serve_epd
+
 from epd.bench import BenchConfig, RequestRecord, WorkloadOptions, goodput, run_bench, slo_attainment
 from epd.bench.cli import write_results
 from epd.bench.plots import plot_attainment, plot_cdfs
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"aggregated": "e:1,pd:2", "disaggregated": "e:1,p:1,d:1"}
 DEVICES = 3  # worker processes in either layout
 
@@ -107,82 +104,6 @@ def plan(quick: bool) -> tuple[list[Sweep], list[CacheCase]]:
     return sweeps, caches
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def _start(cmd: list[str], url: str, log: Path, timeout_s: float) -> subprocess.Popen:
-    """Start ``cmd`` (output to ``log``); return it once ``GET url/health`` answers 200.
-    Raises RuntimeError (after stopping it) when it exits or times out first."""
-    import httpx
-
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
-    t0 = time.monotonic()
-    while proc.poll() is None and time.monotonic() - t0 < timeout_s:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc
-        time.sleep(1.0)
-    _stop(proc)
-    raise RuntimeError(f"{' '.join(cmd)} did not start; see {log}:\n" + log.read_text()[-3000:])
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-@contextlib.contextmanager
-def serve(model: str | None, pools: str, cores: str, threads: int, log: Path, attempts: int = 3):
-    """``taskset -c CORES epd launch --pools POOLS --threads-per-worker THREADS`` (output to
-    ``log``) until ``GET /health`` answers 200; yields the base URL; SIGINT (then SIGKILL of
-    the process group) after. A start that fails (e.g. a worker killed for memory on this
-    shared machine) is tried again, ``attempts`` times in all."""
-    port = _free_port()
-    cmd = ["taskset", "-c", cores, sys.executable, "-m", "epd.cli", "launch", "--pools", pools, "--port", str(port),
-           "--threads-per-worker", str(threads), "--kv-cache-memory-gb", "1"]
-    if model is not None:
-        cmd += ["--model", model]
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    for attempt in range(1, attempts + 1):
-        try:
-            proc = _start(cmd, url, log, timeout_s=600.0)
-            break
-        except RuntimeError as e:
-            if attempt == attempts:
-                raise
-            print(f"  start {attempt} of {pools} failed ({str(e).strip().splitlines()[-1]}); trying again",
-                  flush=True)
-            time.sleep(10)
-    print(f"  serving {pools} on {url} (ready in {time.monotonic() - t0:.0f} s; log {log})", flush=True)
-    try:
-        yield url
-    finally:
-        _stop(proc)
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"
-
-
 def _bounded(g: dict, rates: list[float]) -> tuple[float, int]:
     """(rate, direction): direction +1 = at least (every swept rate met the target),
     -1 = below the lowest swept rate (none met it), 0 = interpolated or exact."""
@@ -232,9 +153,9 @@ def sweep_table(sweeps: list[Sweep], results: dict) -> str:
         for ra, rd in zip(agg["runs"], dis["runs"]):
             sa, sd = ra["summary"], rd["summary"]
             out.append(f"| {sw.workload} ({sw.model}) | {sw.ttft_slo_s} s / {sw.tpot_slo_s} s | {ra['rate']:g} | "
-                       f"{_ms(sa['itl_s']['p99'])} / {_ms(sd['itl_s']['p99'])} | "
-                       f"{_ratio(sa['itl_s']['p99'], sd['itl_s']['p99'])} | "
-                       f"{_ms(sa['ttft_s']['p99'])} / {_ms(sd['ttft_s']['p99'])} | "
+                       f"{fmt_ms(sa['itl_s']['p99'])} / {fmt_ms(sd['itl_s']['p99'])} | "
+                       f"{fmt_ratio(sa['itl_s']['p99'], sd['itl_s']['p99'])} | "
+                       f"{fmt_ms(sa['ttft_s']['p99'])} / {fmt_ms(sd['ttft_s']['p99'])} | "
                        f"{sa['attainment']['both']:.0%} / {sd['attainment']['both']:.0%} |")
         for ttft, tpot in [(sw.ttft_slo_s, sw.tpot_slo_s)] + ([sw.loose_slo] if sw.loose_slo else []):
             (aa, ga), (ad, gd) = (_sweep_goodput(r, ttft, tpot) for r in (agg, dis))
@@ -253,7 +174,7 @@ def cache_table(caches: list[CacheCase], results: dict) -> str:
             miss, hit = r["miss"]["runs"][0], r["hit"]["runs"][0]
             tm, th = miss["summary"]["ttft_s"]["p50"], hit["summary"]["ttft_s"]["p50"]
             cached = [x["cached_tokens"] for x in hit["records"][1:] if x["cached_tokens"] is not None]
-            out.append(f"| {c.name} | {layout} | {_ms(tm)} | {_ms(th)} | {_ratio(tm, th)} | "
+            out.append(f"| {c.name} | {layout} | {fmt_ms(tm)} | {fmt_ms(th)} | {fmt_ratio(tm, th)} | "
                        f"{sum(cached) / len(cached) if cached else 0:.0f} |")
     return "\n".join(out)
 
@@ -294,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     meta = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick, "only": args.only,
             "cores": args.cores, "threads_per_worker": args.threads_per_worker, "configs": CONFIGS,
-            "devices": DEVICES, "cpu_count": os.cpu_count(), "load_avg": {"start": _load()}}
+            "devices": DEVICES, "cpu_count": os.cpu_count(), "load_avg": {"start": load_avg()}}
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
         from epd.tiny import create_tiny_model
@@ -306,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             for layout, pools in CONFIGS.items():
                 print(f"== {model_key} on {layout} ({pools}), cores {args.cores}", flush=True)
                 log = args.out_dir / f"disagg_vs_agg_{model_key}_{layout}.log"
-                with serve(models[model_key], pools, args.cores, args.threads_per_worker, log) as url:
+                with serve_epd(models[model_key], pools, args.cores, args.threads_per_worker, log) as url:
                     for sw in (s for s in sweeps if s.model == model_key):
                         cfg = BenchConfig(url, workload=sw.workload, rates=sw.rates, num_requests=sw.num_requests,
                                           duration_s=sw.duration_s, ttft_slo_s=sw.ttft_slo_s, tpot_slo_s=sw.tpot_slo_s,
@@ -315,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                         results.setdefault(sw.workload, {})[layout] = res
                         g = res["goodput"]
                         print(f"  {sw.workload}: " + ", ".join(
-                            f"{r['rate']:g} req/s: ITL p99 {_ms(r['summary']['itl_s']['p99'])} ms, TTFT p99 "
-                            f"{_ms(r['summary']['ttft_s']['p99'])} ms, attain {r['summary']['attainment']['both']:.0%}"
+                            f"{r['rate']:g} req/s: ITL p99 {fmt_ms(r['summary']['itl_s']['p99'])} ms, TTFT p99 "
+                            f"{fmt_ms(r['summary']['ttft_s']['p99'])} ms, attain {r['summary']['attainment']['both']:.0%}"
                             for r in res["runs"]) + f"; goodput {g['rate']:.2f} ({g['status']})", flush=True)
                     for c in (c for c in caches if c.model == model_key):
                         entry = results.setdefault(c.name, {}).setdefault(layout, {})
@@ -325,12 +246,12 @@ def main(argv: list[str] | None = None) -> int:
                                               max_concurrency=1, ttft_slo_s=None, tpot_slo_s=None,
                                               num_devices=DEVICES, options=opts, seed=args.seed + 1, progress=False)
                             entry[which] = asyncio.run(run_bench(cfg))
-                        print(f"  {c.name}: TTFT p50 {_ms(entry['miss']['runs'][0]['summary']['ttft_s']['p50'])} ms "
-                              f"without hits, {_ms(entry['hit']['runs'][0]['summary']['ttft_s']['p50'])} ms with",
+                        print(f"  {c.name}: TTFT p50 {fmt_ms(entry['miss']['runs'][0]['summary']['ttft_s']['p50'])} ms "
+                              f"without hits, {fmt_ms(entry['hit']['runs'][0]['summary']['ttft_s']['p50'])} ms with",
                               flush=True)
-                meta["load_avg"][f"{model_key}/{layout}"] = _load()
+                meta["load_avg"][f"{model_key}/{layout}"] = load_avg()
     meta["wall_s"] = round(time.monotonic() - t_start, 1)
-    meta["load_avg"]["end"] = _load()
+    meta["load_avg"]["end"] = load_avg()
     stem = "disagg_vs_agg" + ("_quick" if args.quick else "")
     meta["parts"] = {args.only or "all": dict(meta)}  # when and under what load each part ran
     previous = args.out_dir / f"{stem}.json"

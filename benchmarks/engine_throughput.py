@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import machine_busy_s, self_cpu_s
 
 NUM_SPECIAL_IDS = 17  # SmolLM2's ids 0..16 are special tokens: never drawn into prompts
 SANITY_TOKENS = 16
@@ -126,15 +127,6 @@ def run_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> tup
     return wall, new.cpu().tolist()
 
 
-def _machine_busy_s() -> float:
-    """CPU seconds all processes on this machine have used (from /proc/stat), NaN if unknown."""
-    try:
-        f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
 def gemm_rate(dtype: torch.dtype, n: int = 1024, reps: int = 20) -> float:
     """This machine's GEMM rate (GFLOP/s) at ``dtype``: an [n, n] @ [n, n] product, best of 3."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
@@ -154,11 +146,6 @@ def _lm_head_params(llm) -> int:
     return cfg.vocab_size * cfg.hidden_size if getattr(cfg, "tie_word_embeddings", False) else 0
 
 
-def _self_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
 class OtherLoad:
     """CPU seconds other processes used while the block ran: a contention check.
 
@@ -167,11 +154,11 @@ class OtherLoad:
     """
 
     def __enter__(self):
-        self.m0, self.s0 = _machine_busy_s(), _self_cpu_s()
+        self.m0, self.s0 = machine_busy_s(), self_cpu_s()
         return self
 
     def __exit__(self, *exc):
-        self.other_cpu_s = max(0.0, (_machine_busy_s() - self.m0) - (_self_cpu_s() - self.s0))
+        self.other_cpu_s = max(0.0, (machine_busy_s() - self.m0) - (self_cpu_s() - self.s0))
         return False
 
 
@@ -255,6 +242,59 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def run_point(c: int, args, llm, pool: PromptPool, hf_model, pad_id: int, flops_per_token: int,
+              gemm_gflops: float, sanity: dict | None) -> tuple[dict, dict | None]:
+    """Time epd (and transformers, when loaded) at concurrency ``c``; returns the result row and
+    the sanity check (made at concurrency 1 when it was still ``None``)."""
+    n_out = c * args.output_len
+    prompts = pool.take(c)
+    # epd: warm-up on other prompts (a few tokens), then the timed call. A retry takes fresh
+    # prompts (the same ones would hit epd's prefix cache); the compute does not depend on them.
+    run_epd(llm, pool.take(c), min(4, args.output_len))
+    epd_runs, epd_tokens = measure(lambda i: run_epd(llm, prompts if i == 0 else pool.take(c), args.output_len),
+                                   args.retries, args.max_other_load)
+    epd_s = min(r["wall_s"] for r in epd_runs)
+    flops = c * (args.prompt_len + args.output_len) * flops_per_token
+    row = {"concurrency": c, "output_tokens": n_out, "epd_s": epd_s, "epd_tok_s": n_out / epd_s,
+           "epd_gflops": flops / epd_s / 1e9, "gemm_fraction": flops / epd_s / 1e9 / gemm_gflops,
+           "epd_attempts": epd_runs, "contended": _contended(epd_runs, args.max_other_load)}
+    if hf_model is not None:
+        run_hf(hf_model, pool.take(c), min(8, args.output_len), pad_id)  # warm-up
+        hf_runs, hf_tokens = measure(lambda i: run_hf(hf_model, prompts, args.output_len, pad_id),
+                                     args.retries, args.max_other_load)
+        hf_s = min(r["wall_s"] for r in hf_runs)
+        row.update(hf_s=hf_s, hf_tok_s=n_out / hf_s, ratio=hf_s / epd_s, hf_attempts=hf_runs)
+        row["contended"] = row["contended"] or _contended(hf_runs, args.max_other_load)
+        if c == 1 and sanity is None:
+            k = min(SANITY_TOKENS, args.output_len)
+            sanity = {"tokens": k, "agree": epd_tokens[0][:k] == hf_tokens[0][:k],
+                      "epd": epd_tokens[0][:k], "transformers": hf_tokens[0][:k]}
+            print(f"sanity (concurrency 1): first {k} greedy tokens "
+                  f"{'AGREE' if sanity['agree'] else 'DIFFER'}\n  epd          {sanity['epd']}\n"
+                  f"  transformers {sanity['transformers']}", flush=True)
+        print(f"C={c:3d}  epd {epd_s:7.2f} s {row['epd_tok_s']:8.1f} tok/s   transformers {hf_s:7.2f} s "
+              f"{row['hf_tok_s']:8.1f} tok/s   epd/hf {row['ratio']:.2f}x   (attempts {len(epd_runs)} / "
+              f"{len(hf_runs)})", flush=True)
+    else:
+        print(f"C={c:3d}  epd {epd_s:7.2f} s {row['epd_tok_s']:8.1f} tok/s   (attempts {len(epd_runs)})",
+              flush=True)
+    return row, sanity
+
+
+def print_table(results: list[dict]) -> None:
+    """The results as a plain-text table on stdout."""
+    print()
+    print(f"{'concurrency':>11} | {'epd tok/s':>9} | {'transformers tok/s':>18} | {'epd/transformers':>16} | "
+          f"{'epd GFLOP/s (of GEMM peak)':>26}")
+    print(f"{'-' * 11}-+-{'-' * 9}-+-{'-' * 18}-+-{'-' * 16}-+-{'-' * 26}")
+    for r in results:
+        hf = f"{r['hf_tok_s']:18.1f}" if "hf_tok_s" in r else f"{'-':>18}"
+        ratio = f"{r['ratio']:15.2f}x" if "ratio" in r else f"{'-':>16}"
+        print(f"{r['concurrency']:>11} | {r['epd_tok_s']:9.1f} | {hf} | {ratio} | "
+              f"{r['epd_gflops']:17.1f} ({r['gemm_fraction']:4.0%})"
+              + ("   * other processes were busy in every attempt: noisy" if r["contended"] else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -299,50 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     sanity: dict | None = None
     for c in args.concurrency:
-        n_out = c * args.output_len
-        prompts = pool.take(c)
-        # epd: warm-up on other prompts (a few tokens), then the timed call. A retry takes fresh
-        # prompts (the same ones would hit epd's prefix cache); the compute does not depend on them.
-        run_epd(llm, pool.take(c), min(4, args.output_len))
-        epd_runs, epd_tokens = measure(lambda i: run_epd(llm, prompts if i == 0 else pool.take(c), args.output_len),
-                                       args.retries, args.max_other_load)
-        epd_s = min(r["wall_s"] for r in epd_runs)
-        flops = c * (args.prompt_len + args.output_len) * flops_per_token
-        row = {"concurrency": c, "output_tokens": n_out, "epd_s": epd_s, "epd_tok_s": n_out / epd_s,
-               "epd_gflops": flops / epd_s / 1e9, "gemm_fraction": flops / epd_s / 1e9 / gemm_gflops,
-               "epd_attempts": epd_runs, "contended": _contended(epd_runs, args.max_other_load)}
-        if hf_model is not None:
-            run_hf(hf_model, pool.take(c), min(8, args.output_len), pad_id)  # warm-up
-            hf_runs, hf_tokens = measure(lambda i: run_hf(hf_model, prompts, args.output_len, pad_id),
-                                         args.retries, args.max_other_load)
-            hf_s = min(r["wall_s"] for r in hf_runs)
-            row.update(hf_s=hf_s, hf_tok_s=n_out / hf_s, ratio=hf_s / epd_s, hf_attempts=hf_runs)
-            row["contended"] = row["contended"] or _contended(hf_runs, args.max_other_load)
-            if c == 1 and sanity is None:
-                k = min(SANITY_TOKENS, args.output_len)
-                sanity = {"tokens": k, "agree": epd_tokens[0][:k] == hf_tokens[0][:k],
-                          "epd": epd_tokens[0][:k], "transformers": hf_tokens[0][:k]}
-                print(f"sanity (concurrency 1): first {k} greedy tokens "
-                      f"{'AGREE' if sanity['agree'] else 'DIFFER'}\n  epd          {sanity['epd']}\n"
-                      f"  transformers {sanity['transformers']}", flush=True)
-            print(f"C={c:3d}  epd {epd_s:7.2f} s {row['epd_tok_s']:8.1f} tok/s   transformers {hf_s:7.2f} s "
-                  f"{row['hf_tok_s']:8.1f} tok/s   epd/hf {row['ratio']:.2f}x   (attempts {len(epd_runs)} / "
-                  f"{len(hf_runs)})", flush=True)
-        else:
-            print(f"C={c:3d}  epd {epd_s:7.2f} s {row['epd_tok_s']:8.1f} tok/s   (attempts {len(epd_runs)})",
-                  flush=True)
+        row, sanity = run_point(c, args, llm, pool, hf_model, pad_id, flops_per_token, gemm_gflops, sanity)
         results.append(row)
-
-    print()
-    print(f"{'concurrency':>11} | {'epd tok/s':>9} | {'transformers tok/s':>18} | {'epd/transformers':>16} | "
-          f"{'epd GFLOP/s (of GEMM peak)':>26}")
-    print(f"{'-' * 11}-+-{'-' * 9}-+-{'-' * 18}-+-{'-' * 16}-+-{'-' * 26}")
-    for r in results:
-        hf = f"{r['hf_tok_s']:18.1f}" if "hf_tok_s" in r else f"{'-':>18}"
-        ratio = f"{r['ratio']:15.2f}x" if "ratio" in r else f"{'-':>16}"
-        print(f"{r['concurrency']:>11} | {r['epd_tok_s']:9.1f} | {hf} | {ratio} | "
-              f"{r['epd_gflops']:17.1f} ({r['gemm_fraction']:4.0%})"
-              + ("   * other processes were busy in every attempt: noisy" if r["contended"] else ""))
+    print_table(results)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {

@@ -25,7 +25,6 @@ import argparse
 import json
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +35,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import git_commit  # noqa: E402
 from tests.cluster.netns import Cluster, netns_available  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -200,7 +200,7 @@ def main() -> int:
     for r in rows:
         print(" | ".join(f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols))
     out["rows"] = rows
-    out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out["commit"] = git_commit()
     RESULTS.mkdir(exist_ok=True)
     name = "multi_host_quick.json" if args.quick else "multi_host.json"
     (RESULTS / name).write_text(json.dumps(out, indent=1))

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from disagg_vs_agg import _load, serve  # noqa: E402 - the launch helper of the serving benchmark
+from _common import ROOT, load_avg, serve_epd  # noqa: E402
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -47,7 +47,6 @@ import numpy as np  # noqa: E402
 from epd.diagnose import Window, metrics_url, scrape  # noqa: E402
 from epd.plan import PrefillFit, load_profile, simulate, trace_workload  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 
 
@@ -85,8 +84,8 @@ def calibrate(model: str, work: Path, profile: Path, rate: float, args: argparse
     ``epd plan correct --trace`` over it, which writes the factors into ``profile``."""
     duration = args.rows / rate
     window = max(2.0, duration - 3.0)
-    print(f"correcting on rows {args.rows}..{2 * args.rows - 1} at {rate:g} req/s (load {_load()})", flush=True)
-    with serve(model, "p:1,d:1", "0,1", 1, work / f"correct_{rate:g}.log") as url:
+    print(f"correcting on rows {args.rows}..{2 * args.rows - 1} at {rate:g} req/s (load {load_avg()})", flush=True)
+    with serve_epd(model, "p:1,d:1", "0,1", 1, work / f"correct_{rate:g}.log") as url:
         bench = subprocess.Popen([sys.executable, "-m", "epd.cli", "bench", "--base-url", url, "--workload", "trace",
                                   "--trace", str(TRACE), "--trace-start", str(args.rows), "--num-requests",
                                   str(args.rows), "--trace-scale", str(args.scale), "--rate", str(rate),
@@ -132,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="plan_accuracy_"))
     model = small_llama(work / "llama")
     profile = work / "profile.json"
-    print(f"profiling p:1,d:1 (load {_load()})", flush=True)
-    with serve(model, "p:1,d:1", "0,1", 1, work / "profile.log") as url:
+    print(f"profiling p:1,d:1 (load {load_avg()})", flush=True)
+    with serve_epd(model, "p:1,d:1", "0,1", 1, work / "profile.log") as url:
         print(epd("plan", "profile", "--url", url, "--out", str(profile), "--repeats", "2",
                   "--lengths", "64,256,512,1024,2000",
                   "--prefill-under-decode", str(args.prefill_under_decode),
@@ -156,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                              "--max-devices", str(args.max_devices), "--json").stdout)
         pools = f"p:{rec['replicas']['prefill']},d:{rec['replicas']['decode']}"
         print(f"rate {rate:g}: recommended {rec['pools']} (predicted p90 TTFT {_ms(rec['predicted']['ttft_p90_s'])} ms,"
-              f" ITL {_ms(rec['predicted']['itl_p90_s'])} ms); replaying (load {_load()})", flush=True)
+              f" ITL {_ms(rec['predicted']['itl_p90_s'])} ms); replaying (load {load_avg()})", flush=True)
         bench_out = work / f"bench_{rate:g}.json"
-        with serve(model, pools, "0,1", 1, work / f"serve_{rate:g}.log") as url, httpx.Client(timeout=10) as client:
+        with serve_epd(model, pools, "0,1", 1, work / f"serve_{rate:g}.log") as url, httpx.Client(timeout=10) as client:
             before = scrape(client, metrics_url(url))
             epd("bench", "--base-url", url, "--workload", "trace", "--trace", str(TRACE), "--num-requests",
                 str(args.rows), "--trace-scale", str(args.scale), "--rate", str(rate), "--tokenizer", model,
@@ -181,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         ttft_raw, gaps_raw = simulate(load_profile(raw), w, rec["replicas"]["prefill"], rec["replicas"]["decode"])
         server["ttft_p90_predicted_uncorrected_s"] = float(np.quantile(ttft_raw, 0.9))
         server["itl_p90_predicted_uncorrected_s"] = float(np.quantile(gaps_raw, 0.9)) if len(gaps_raw) else None
-        results["runs"].append({"rate": rate, "recommend": rec, "bench": summary, "server": server, "load": _load()})
+        results["runs"].append({"rate": rate, "recommend": rec, "bench": summary, "server": server, "load": load_avg()})
         p, m = rec["predicted"], summary
         c = rec.get("correction", {"prefill": 1.0, "decode": 1.0})
         rows.append(f"| {rate:g} | x{c['prefill']:.2f} / x{c['decode']:.2f} | {rec['pools']} | "
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{_err(p['itl_p90_s'], m['itl_s']['p90'])} | {_ms(server['itl_p90_predicted_uncorrected_s'])} | "
                     f"{_ms(m['tpot_s']['p90'])} | "
                     f"{_ms(predicted_prefill_s)} | "
-                    f"{_ms(server['prefill_mean_s'])} | {_ms(server['prefill_queue_mean_s'])} | {_load()[0]} |")
+                    f"{_ms(server['prefill_mean_s'])} | {_ms(server['prefill_queue_mean_s'])} | {load_avg()[0]} |")
     table = ["| rate req/s | correction prefill / decode | recommended | TTFT p90 predicted ms | measured | error | "
              "uncorrected | "
              "ITL p90 predicted ms | measured | error | uncorrected | TPOT p90 measured ms | "

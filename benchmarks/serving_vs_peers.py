@@ -97,11 +97,10 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -112,12 +111,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import (ROOT, fmt_ms, fmt_ratio, free_port, git_commit, load_avg, machine_busy_s, start_server,
+                     stop_server)
+
 sys.path.insert(0, str(ROOT))
 
 from epd.bench.client import send_chat  # noqa: E402
 from epd.bench.metrics import RequestRecord, percentiles, slo_attainment, summarize  # noqa: E402
-from epd.bench.runner import schedule  # noqa: E402
+from epd.bench.runner import drain, schedule, send_open_loop  # noqa: E402
 from epd.bench.workloads import RequestSpec, TextMaker, build_requests, trace_options  # noqa: E402
 
 PEERS_VENV = Path(os.environ.get("EPD_PEERS_VENV", "/work/peers-venv"))
@@ -246,12 +247,6 @@ class Server:
     notes: list[str] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
@@ -347,67 +342,6 @@ def build_server(system: str, variant: str, port: int, cores: list[int], args) -
     raise ValueError(system)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """SIGINT to the server, SIGKILL to its process group after ``timeout_s``; returns once
-    every process of the group is gone (its memory freed)."""
-    pgid = proc.pid  # start_new_session: the server leads its own group
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    deadline = time.monotonic() + 15
-    while _group_alive(pgid) and time.monotonic() < deadline:  # workers finishing their own shutdown
-        time.sleep(0.5)
-    if _group_alive(pgid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(10)
-    deadline = time.monotonic() + 30
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-
-
-def start_server(srv: Server, url: str, log: Path, timeout_s: float) -> subprocess.Popen:
-    """Start ``srv`` (output to ``log``); return once ``GET url + health_path`` answers 200.
-    Raises RuntimeError (after stopping it) when it exits or times out first."""
-    import httpx
-
-    with open(log, "w") as out:
-        out.write("$ " + shlex.join(srv.cmd) + "\n")
-        out.flush()
-        proc = subprocess.Popen(srv.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=ROOT, env={**os.environ, **srv.env})
-    t0 = time.monotonic()
-    while proc.poll() is None and time.monotonic() - t0 < timeout_s:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + srv.health_path, timeout=5).status_code == 200:
-                return proc
-        time.sleep(1.0)
-    rc = proc.poll()
-    stop_server(proc)
-    why = f"exited with code {rc}" if rc is not None else f"not healthy after {timeout_s:.0f} s"
-    raise RuntimeError(f"server {why}: " + _log_tail(log))
-
-
-def _log_tail(log: Path, n: int = 6) -> str:
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    return " | ".join(ln.strip()[:300] for ln in lines[-n:])
-
-
 def _rejects_flag(log: Path) -> bool:
     text = log.read_text(errors="replace")
     return any(s in text for s in ("unrecognized arguments", "invalid choice", "No such option",
@@ -444,17 +378,6 @@ async def send(client, model: str, system: str, spec: RequestSpec, rec: RequestR
         raise
 
 
-async def _drain(tasks: list[asyncio.Task], until: float) -> None:
-    """Wait for ``tasks`` until the perf_counter time ``until``; cancel the rest."""
-    pending = [t for t in tasks if not t.done()]
-    if pending:
-        _, pending = await asyncio.wait(pending, timeout=max(0.0, until - time.perf_counter()))
-    for t in pending:
-        t.cancel()
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
-
-
 async def closed_loop(client, model: str, system: str, p: Point, duration_s: float, drain_s: float,
                       seed: int) -> tuple[list[RequestRecord], float]:
     """``p.clients`` clients, each sending its next request when its previous one ends, until
@@ -475,7 +398,7 @@ async def closed_loop(client, model: str, system: str, p: Point, duration_s: flo
             await send(client, model, system, spec, rec, p.force)
 
     tasks = [asyncio.create_task(client_loop()) for _ in range(p.clients)]
-    await _drain(tasks, start + duration_s + drain_s)
+    await drain(tasks, start + duration_s + drain_s)
     return sorted(records, key=lambda r: r.index), start
 
 
@@ -493,19 +416,11 @@ def trace_specs(plan: Plan, seed: int) -> tuple[list[RequestSpec], np.ndarray]:
 
 async def open_loop(client, model: str, system: str, specs: list[RequestSpec], times: np.ndarray, force: bool,
                     drain_s: float) -> tuple[list[RequestRecord], float]:
-    start = time.perf_counter()
-    tasks, records = [], []
-    for i, (spec, t) in enumerate(zip(specs, times)):
-        delay = start + float(t) - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        rec = RequestRecord(i, spec.kind, scheduled_s=float(t), max_tokens=spec.max_tokens,
-                            prompt_tokens=spec.prompt_tokens)
-        rec.sent_s = time.perf_counter() - start
-        records.append(rec)
-        tasks.append(asyncio.create_task(send(client, model, system, spec, rec, force)))
-    await _drain(tasks, start + float(times[-1]) + drain_s)
-    return records, start
+    """``epd bench``'s open-loop sender (``epd.bench.runner.send_open_loop``): ``specs[i]`` sent at
+    ``times[i]`` s; requests still running ``drain_s`` after the last send time are cancelled.
+    Returns (records, start perf_counter)."""
+    return await send_open_loop(specs, times, lambda spec, rec: send(client, model, system, spec, rec, force),
+                                drain_s=drain_s)
 
 
 def windowed_tokens_per_s(records: list[RequestRecord], window_s: float) -> float:
@@ -547,16 +462,6 @@ def point_summary(records: list[RequestRecord], p: Point, window_s: float | None
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _machine_busy_s() -> float | None:
-    """CPU seconds all cores spent busy since boot (/proc/stat: everything but idle and iowait)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (sum(v[:8]) - v[3] - v[4]) / _TICK
-
-
 def _tree_cpu_s(pgid: int | None) -> float:
     """CPU seconds (user + system) of this process and of every live process in group ``pgid``."""
     total = 0.0
@@ -580,12 +485,12 @@ class CpuMeter:
 
     def __init__(self, pgid: int | None) -> None:
         self.pgid = pgid
-        self.t0, self.m0, self.o0 = time.monotonic(), _machine_busy_s(), _tree_cpu_s(pgid)
+        self.t0, self.m0, self.o0 = time.monotonic(), machine_busy_s(), _tree_cpu_s(pgid)
 
     def stop(self) -> dict:
         dt = time.monotonic() - self.t0
-        m1, o1 = _machine_busy_s(), _tree_cpu_s(self.pgid)
-        if self.m0 is None or m1 is None or dt <= 0:
+        m1, o1 = machine_busy_s(), _tree_cpu_s(self.pgid)
+        if math.isnan(self.m0) or math.isnan(m1) or dt <= 0:
             return {}
         ours = max(0.0, o1 - self.o0)
         return {"machine_cores_busy": round((m1 - self.m0) / dt, 2), "ours_cores_busy": round(ours / dt, 2),
@@ -632,7 +537,7 @@ async def measure(url: str, system: str, variant: str, plan: Plan, seed: int, pr
         out["warmup_s"] = round(time.perf_counter() - t0, 1)
         for p in plan.points:
             out.setdefault("settle_s", {})[p.name] = round(await settle(client, model, system, plan.drain_s), 2)
-            load0 = os.getloadavg()
+            load0 = load_avg()
             meter = CpuMeter(pgid)
             if p.kind == "closed":
                 records, _ = await closed_loop(client, model, system, p, plan.duration_s, plan.drain_s, seed)
@@ -643,8 +548,7 @@ async def measure(url: str, system: str, variant: str, plan: Plan, seed: int, pr
                 summary = point_summary(records, p, None)
             summary["length_control"] = FORCE_LENGTH[system] if p.force else "natural EOS (max_tokens only)"
             summary["cpu"] = meter.stop()
-            summary["load_avg"] = {"before": [round(x, 2) for x in load0],
-                                   "after": [round(x, 2) for x in os.getloadavg()]}
+            summary["load_avg"] = {"before": load0, "after": load_avg()}
             out["points"][p.name] = {"point": dataclasses.asdict(p), "summary": summary,
                                      "records": [r.to_json() for r in records]}
             if progress:
@@ -658,10 +562,6 @@ async def measure(url: str, system: str, variant: str, plan: Plan, seed: int, pr
 # reporting
 
 
-def _ms(v) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
 HEAD = (f"{'system:variant':<22} {'dtype':<5} {'point':<10} {'ok/n':>8} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'TPOT p50':>9} {'ITL p99':>8} {'ITL max':>8} {'attain':>7} {'len':>5} {'other':>5}")
 
@@ -672,8 +572,8 @@ def row(system: str, variant: str, point: str, s: dict, dtype: str = "") -> str:
     tps = s.get("tok_s")
     exact = s.get("exact_length")
     return (f"{name:<22} {dtype:<5} {point:<10} {s['completed']:>4}/{s['requests']:<3} {'-' if tps is None else f'{tps:.1f}':>7} "
-            f"{_ms(s['ttft_s']['p50']):>9} {_ms(s['ttft_s']['p99']):>9} {_ms(s['tpot_s']['p50']):>9} "
-            f"{_ms(s['itl_s']['p99']):>8} {_ms(s.get('itl_max_s')):>8} {'-' if att is None else f'{att:.0%}':>7} "
+            f"{fmt_ms(s['ttft_s']['p50']):>9} {fmt_ms(s['ttft_s']['p99']):>9} {fmt_ms(s['tpot_s']['p50']):>9} "
+            f"{fmt_ms(s['itl_s']['p99']):>8} {fmt_ms(s.get('itl_max_s')):>8} {'-' if att is None else f'{att:.0%}':>7} "
             f"{'-' if exact is None else f'{exact:.0%}':>5} {_f2(s.get('cpu', {}).get('other_cores_busy')):>5}")
 
 
@@ -693,10 +593,6 @@ def _ttft(res: dict, key: str, point: str) -> float | None:
     if not r or r.get("skipped") or point not in r.get("points", {}):
         return None
     return r["points"][point]["summary"]["ttft_s"]["p50"]
-
-
-def _ratio(a, b) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"
 
 
 def _dtype_of(entry: dict) -> str:
@@ -747,8 +643,8 @@ def ratio_table(results: dict, points: list[str]) -> str:
                 for label, ka, kb in pairs:
                     da, db = _dtype_of(results[ka]), _dtype_of(results[kb])
                     lines.append(f"| {pt} | {ka} ({da}) | {kb} ({db}) | {label} | "
-                                 f"{_ratio(_tok(results, ka, pt), _tok(results, kb, pt))} | "
-                                 f"{_ratio(_ttft(results, kb, pt), _ttft(results, ka, pt))} |")
+                                 f"{fmt_ratio(_tok(results, ka, pt), _tok(results, kb, pt))} | "
+                                 f"{fmt_ratio(_ttft(results, kb, pt), _ttft(results, ka, pt))} |")
     return "\n".join(lines)
 
 
@@ -857,8 +753,7 @@ def _versions(args) -> dict:
                            text=True, timeout=60)
         v["llama_cpp_python"] = r.stdout.strip() or None
     try:
-        v["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                     cwd=ROOT, timeout=10).stdout.strip()
+        v["commit"] = git_commit()
         v["dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                          text=True, cwd=ROOT, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
@@ -894,7 +789,7 @@ def select(tokens: list[str] | None) -> list[tuple[str, str]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", nargs="+", metavar="SYSTEM[:VARIANT]",
@@ -927,7 +822,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fresh", action="store_true", help="do not merge into an existing results JSON")
     p.add_argument("--report", type=Path, help="only rebuild the tables and the PNG from this results JSON")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.report:
         saved = json.loads(args.report.read_text())
         report(saved, args.report.parent)
@@ -975,11 +874,12 @@ def main(argv: list[str] | None = None) -> int:
             saved["results"][key] = entry
             continue
         try:
-            port = _free_port()
+            port = free_port()
             srv = build_server(system, variant, port, cores, args)
             entry.update(cmd=srv.cmd, env=srv.env, notes=srv.notes)
             url = f"http://127.0.0.1:{port}"
-            proc = start_server(srv, url, log, args.ready_timeout)
+            proc = start_server(srv.cmd, url, log, args.ready_timeout, env=srv.env, cwd=ROOT,
+                                health_path=srv.health_path)
             entry["ready_s"] = round(time.monotonic() - t0, 1)
             print(f"  ready in {entry['ready_s']} s: {shlex.join(srv.cmd[3:])[:200]}", flush=True)
             entry.update(asyncio.run(measure(url, system, variant, plan, args.seed, progress=True, pgid=proc.pid)))

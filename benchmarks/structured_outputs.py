@@ -25,14 +25,13 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import ROOT, free_port
+
 RESULTS = ROOT / "benchmarks" / "results"
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
@@ -103,12 +102,6 @@ def mask_times(model_dir: str, xgrammar_path: str | None) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _load(url: str, model: str, clients: int, rounds: int, constrained: bool) -> list[dict]:
     from openai import AsyncOpenAI
 
@@ -140,7 +133,7 @@ async def _load(url: str, model: str, clients: int, rounds: int, constrained: bo
 def serving(rounds: int) -> dict:
     import httpx
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "epd.cli", "launch", "--pools", "pd:1", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -37,12 +37,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import ROOT, git_commit, pct, timed
+
 SPEECH = ROOT / "tests" / "data" / "speech"
 CLIPS = ["capital_of_france.wav:1", "long_40s.wav:5", "long_40s.wav"]
 RATE = 16000
@@ -80,43 +79,6 @@ def load_clip(spec: str):
             raise ValueError(f"{spec}: cut must be within the clip's {len(mono) / RATE:.1f} s")
         mono = mono[: round(seconds * RATE)]
     return np.ascontiguousarray(mono, dtype=np.float32)
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds all processes on this machine have used (from /proc/stat), NaN if unknown."""
-    try:
-        f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
-def _self_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-def timed(fn):
-    """(result, wall seconds, cores other processes kept busy meanwhile)."""
-    m0, s0 = _machine_busy_s(), _self_cpu_s()
-    t0 = time.perf_counter()
-    out = fn()
-    wall = time.perf_counter() - t0
-    other = max(0.0, (_machine_busy_s() - m0) - (_self_cpu_s() - s0))
-    return out, wall, other / wall if wall > 0 else float("nan")
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def measure(compute_type: str | None, args, clips: dict) -> list[dict]:
@@ -182,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    meta = {"date": datetime.date.today().isoformat(), "git_commit": _git_commit(), "cpu_count": os.cpu_count(),
+    meta = {"date": datetime.date.today().isoformat(), "git_commit": git_commit(), "cpu_count": os.cpu_count(),
             "platform": platform.platform(), "torch": torch.__version__, "loadavg_start": load_start,
             "loadavg_end": load_end}
     try:

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from transcription_latency import _git_commit, pct, timed  # noqa: E402
+from _common import git_commit, timed  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": _git_commit(), "machine": platform.machine(), "python": platform.python_version(),
+              "commit": git_commit(), "machine": platform.machine(), "python": platform.python_version(),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "decode": rows, "refusals": refusals}
     (args.out_dir / "video_decode.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -58,8 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from disagg_vs_agg import _free_port, _start, _stop  # noqa: E402
-from transcription_latency import _git_commit, timed  # noqa: E402
+from _common import free_port, git_commit, start_server, stop_server, timed  # noqa: E402
 from video_decode import make_video  # noqa: E402
 
 CONFIGS = {"aggregated": "e:1,pd:1", "disaggregated": "e:1,p:1,d:1"}
@@ -295,11 +294,11 @@ def ttft_served(model: Path, pools: str, args, loads, log: Path) -> dict:
     import httpx
     from openai import OpenAI
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "epd.cli", "launch", "--pools", pools, "--port", str(port), "--model", str(model),
            "--dtype", "float32", "--kv-cache-memory-gb", "0.2", "--video-fps", str(args.video_fps)]
     base = f"http://127.0.0.1:{port}"
-    proc = _start(cmd, base, log, timeout_s=600.0)
+    proc = start_server(cmd, base, log, 600.0, env={"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"})
     try:
         client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
         name = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -327,7 +326,7 @@ def ttft_served(model: Path, pools: str, args, loads, log: Path) -> dict:
               f"{1e3 * statistics.median(beside):.0f} ms", flush=True)
         return out
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def ttft_split(model: Path, args, tmp: Path) -> dict:
@@ -394,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": _git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
+              "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
               "python": platform.python_version(),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "encode": encode, "chunked": chunked, "ttft": ttft, "split": split}

@@ -58,15 +58,13 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import ROOT, git_commit, launch, pct, stop_launched
+
 SPEECH = ROOT / "tests" / "data" / "speech"
 QUESTIONS = ["capital_of_france.wav", "primary_colors.wav"]
 RATE = 24000
@@ -111,20 +109,6 @@ def load_questions() -> list[bytes]:
         x = F.resample(torch.from_numpy(audio), sr, RATE)
         out.append((x.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes())
     return out
-
-
-def launch(pools: str) -> tuple[subprocess.Popen, str]:
-    """``epd launch`` on a free port; returns (process, base URL) once it serves."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "epd.cli", "launch", "--port", str(port), "--pools", pools],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in proc.stdout:
-        if "serving" in line:
-            return proc, f"http://127.0.0.1:{port}"
-    raise RuntimeError(f"epd launch exited (rc={proc.wait()}) before serving")
 
 
 async def recv_until(conn, pred, timeout_s: float = 600.0):
@@ -352,13 +336,6 @@ async def measure_cancel(url: str, trials: int) -> list[dict]:
     return out
 
 
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
-
-
 def summarize(concurrency: int, recs: list[dict]) -> dict:
     row = {"concurrency": concurrency, "turns": len(recs)}
     for key in ("speech_stopped_s", "asr_delta_s", "asr_s", "first_delta_s", "first_segment_s", "first_audio_s",
@@ -397,14 +374,6 @@ def plot(rows: list[dict], path: Path, title: str, vad: bool = False) -> None:
     plt.close(fig)
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rng = random.Random(args.seed)
@@ -428,11 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.cancel_trials and args.vad else []
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_launched(proc)
     load_end = os.getloadavg()
 
     ms = lambda s: f"{s * 1000:7.0f}"  # noqa: E731
@@ -475,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
               "url": args.url, "pools": None if args.url else args.pools, "turns_per_session": args.turns,
               "max_output_tokens": args.max_output_tokens, "paced": not args.no_pacing, "seed": args.seed,
               "questions": QUESTIONS, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-              "git_commit": _git_commit(), "loadavg_start": load_start, "loadavg_end": load_end,
+              "git_commit": git_commit(), "loadavg_start": load_start, "loadavg_end": load_end,
               "vad": args.vad, "results": rows, "cancel": cancels, "vad_barge_in": barge,
               "samples": samples}
     json_path = args.out_dir / f"{stem}.json"

@@ -11,6 +11,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -154,6 +155,60 @@ def schedule(specs: list[RequestSpec], rate: float | None, cv: float, seed: int,
     return arrival_times(len(specs), rate, cv, seed)
 
 
+async def drain(tasks: list[asyncio.Task], until: float) -> None:
+    """Wait for ``tasks`` until the ``time.perf_counter()`` time ``until``; cancel the rest
+    (and wait for them to finish cancelling)."""
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        _, pending = await asyncio.wait(pending, timeout=max(0.0, until - time.perf_counter()))
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def send_open_loop(specs: list[RequestSpec], times: np.ndarray,
+                         send: Callable[[RequestSpec, RequestRecord], Awaitable[None]], *,
+                         max_concurrency: int | None = None, on_done: Callable[[], None] | None = None,
+                         drain_s: float | None = None) -> tuple[list[RequestRecord], float]:
+    """Open-loop sender: ``specs[i]`` is due ``times[i]`` seconds (ascending) after the start,
+    whether or not earlier requests have finished.
+
+    Each request gets a :class:`RequestRecord` (index ``i``, ``scheduled_s = times[i]``) and is
+    handed to ``send(spec, rec)``, a coroutine that fills the record and does not raise for a
+    failed request; ``rec.sent_s`` is set (s after the start) when it is sent. At most
+    ``max_concurrency`` requests are in flight (``None``: no cap; a due request waits for a
+    free slot). ``on_done()`` is called after each request. ``drain_s=None`` waits for every
+    request; otherwise requests still running ``drain_s`` seconds after the last due time are
+    cancelled. Returns (records in ``specs`` order, the start as ``time.perf_counter()``).
+    """
+    slots = asyncio.Semaphore(max_concurrency or len(specs))
+
+    async def one(spec: RequestSpec, rec: RequestRecord) -> RequestRecord:
+        async with slots:
+            rec.sent_s = time.perf_counter() - start
+            await send(spec, rec)
+        if on_done is not None:
+            on_done()
+        return rec
+
+    start = time.perf_counter()
+    tasks, records = [], []
+    for i, (spec, t) in enumerate(zip(specs, times)):
+        delay = start + float(t) - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        rec = RequestRecord(i, spec.kind, scheduled_s=float(t), max_tokens=spec.max_tokens,
+                            prompt_tokens=spec.prompt_tokens)
+        records.append(rec)
+        tasks.append(asyncio.create_task(one(spec, rec)))
+    if drain_s is None:
+        await asyncio.gather(*tasks)
+    elif tasks:
+        await drain(tasks, start + float(times[len(tasks) - 1]) + drain_s)
+    return records, start
+
+
 async def run_at_rate(cfg: BenchConfig, client, model: str, specs: list[RequestSpec], rate: float | None,
                       seed: int) -> dict:
     """Send ``specs`` at ``rate``; return {"rate", "records", "summary", ...} for one run."""
@@ -164,15 +219,6 @@ async def run_at_rate(cfg: BenchConfig, client, model: str, specs: list[RequestS
     label = "inf" if rate is not None and math.isinf(rate) else (f"{rate:g}" if rate is not None else "trace")
     bar = _Progress(len(specs), f"bench {cfg.workload} @ {label} req/s", cfg.progress)
 
-    slots = asyncio.Semaphore(cfg.max_concurrency or len(specs))
-
-    async def one(spec: RequestSpec, rec: RequestRecord) -> RequestRecord:
-        async with slots:
-            rec.sent_s = time.perf_counter() - start
-            await _send(spec, rec)
-        bar.update()
-        return rec
-
     async def _send(spec: RequestSpec, rec: RequestRecord) -> None:
         send = send_voice(client, model, spec, rec) if spec.kind == "voice" else send_chat(
             client, model, spec, rec, ignore_eos=cfg.ignore_eos, include_usage=cfg.include_usage)
@@ -181,16 +227,8 @@ async def run_at_rate(cfg: BenchConfig, client, model: str, specs: list[RequestS
         except asyncio.TimeoutError:
             rec.ok, rec.error = False, f"timed out after {cfg.request_timeout_s} s"
 
-    start = time.perf_counter()
-    tasks = []
-    for i, (spec, t) in enumerate(zip(specs, times)):
-        delay = start + float(t) - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        rec = RequestRecord(i, spec.kind, scheduled_s=float(t), max_tokens=spec.max_tokens,
-                            prompt_tokens=spec.prompt_tokens)
-        tasks.append(asyncio.create_task(one(spec, rec)))
-    records = list(await asyncio.gather(*tasks))
+    records, start = await send_open_loop(specs, times, _send, max_concurrency=cfg.max_concurrency,
+                                          on_done=bar.update)
     bar.close()
     ends = [r.sent_s + r.e2e_s for r in records if r.e2e_s is not None]
     duration = (max(ends) if ends else time.perf_counter() - start) - min(r.sent_s for r in records)
