@@ -25,7 +25,7 @@ delta and ``response.done``.
     python benchmarks/api_loop_stall.py --label before --url http://127.0.0.1:8000
 
 Results merge by ``--label`` into benchmarks/results/api_loop_stall.json (and
-api_loop_stall.png when matplotlib is there). On a shared 2-core machine other
+api_loop_stall.png when matplotlib is there). On a shared machine with few cores other
 processes move these numbers; the load average at start and end goes into the JSON.
 """
 

@@ -149,7 +149,7 @@ def _lm_head_params(llm) -> int:
 class OtherLoad:
     """CPU seconds other processes used while the block ran: a contention check.
 
-    Another busy process on a 2-core machine slows torch's threads a lot, so every timed
+    Another busy process on a machine with few cores slows torch's threads a lot, so every timed
     call records this as ``other_cpu_s`` (near 0 on an idle machine).
     """
 

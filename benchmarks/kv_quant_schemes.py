@@ -11,8 +11,7 @@ shipped layout (``kivi``) reads back exactly what the real int8 cache does (chec
 logprobs), and ``int8`` runs the real cache. Layouts:
 
 * ``bf16``: K and V rounded to bfloat16 (no quantization; the noise floor of this measure);
-* ``rows``: int8 rows with a float16 (scale, min) per 16 values, K and V (the layout before
-  per-channel K);
+* ``rows``: int8 rows with a float16 (scale, min) per 16 values, K and V (no per-channel K);
 * ``rows_g8``: the same per 8 values (96-byte rows instead of 80);
 * ``rows_resid``: ``rows``, but each sequence's open block kept exact until it fills;
 * ``chan_no_resid``: V ``rows``; K rows until a block fills, then per channel (from exact

@@ -69,7 +69,7 @@ import torch
 
 NUM_SPECIAL_IDS = 17  # SmolLM2's ids 0..16 are special tokens: never drawn into prompts
 DEFAULT_LENGTHS = (128, 512, 1024, 2048, 4096, 8192)
-TARGET_RATIO = 0.5  # the issue's target: effective >= 50 % of memcpy at >= 1024 tokens
+TARGET_RATIO = 0.5  # the target: effective >= 50 % of memcpy at >= 1024 tokens
 TARGET_MIN_TOKENS = 1024
 
 

@@ -14,7 +14,7 @@
    measured p90 TTFT, p90 ITL (chunk gaps) and p90 TPOT against the predictions, and the
    prefill workers' own mean prefill and prefill-queue time over the replay (``/metrics``)
    against the profile's mean prefill time for the same rows: where the replay's prefill is
-   slower than the profile's, the workers interfere (here: the P and D processes share 2 cores).
+   slower than the profile's, the workers interfere (e.g. when the P and D processes share cores).
 
     python benchmarks/plan_accuracy.py                 # rates 4, 8 and 12 req/s, 120 rows (~7 min on 2 cores)
     python benchmarks/plan_accuracy.py --rates 8 --rows 60

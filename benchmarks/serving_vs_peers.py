@@ -57,7 +57,7 @@ it (SIGINT, then SIGKILL of its process group) and wait until its processes are 
 before the next. Threads: transformers ``OMP_NUM_THREADS=C``, llama.cpp ``--n_threads C
 --n_threads_batch C``; epd at its default, the thread budget (each worker takes
 ``C // busy workers`` threads step by step), with ``epd-*:fixed-threads`` the ablation at
-the old fixed even split (``--threads-per-worker C // processes``) and
+a fixed even split (``--threads-per-worker C // processes``) and
 ``epd-agg:no-stall-free`` the one without stall-free batching
 (``--max-prefill-tokens-with-decodes 0 --target-step-ms 0``). ``--threads T`` sets T for every engine instead.
 KV memory is bounded alike: epd ``--kv-cache-memory-gb 1``, transformers ``--cb-num-blocks
@@ -139,10 +139,10 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "llamacpp": {"default": "f16", "bf16": "bf16", "q4_1": "q4_1"},
 }
 SYSTEMS = tuple(VARIANTS)
-#: epd variants that change one engine setting from its default (ablations of issue 15's work):
-#: stall-free batching off, bounded by tokens only (no step-time target), a 50 ms step
-#: target instead of the default 100, and threads fixed at the even split (cores // processes,
-#: the launcher's old default) instead of the thread budget
+#: epd variants that change one engine setting from its default (ablations): stall-free
+#: batching off, bounded by tokens only (no step-time target), a 50 ms step target instead
+#: of the default 100, and threads fixed at the even split (cores // processes) instead of
+#: the thread budget
 EPD_FLAGS = {"no-stall-free": ["--max-prefill-tokens-with-decodes", "0", "--target-step-ms", "0"],
              "token-cap": ["--target-step-ms", "0"],
              "step-50ms": ["--target-step-ms", "50"],

@@ -12,7 +12,7 @@ clip: latency p50 and min (ms), real-time factor (p50 latency / clip duration: b
 faster than real time) and the transcript.
 
 Each timed call also records how many cores other processes kept busy meanwhile
-(``other_cores``, from /proc/stat): on a shared 2-core machine another busy process
+(``other_cores``, from /proc/stat): on a shared machine with few cores another busy process
 slows these numbers a lot.
 
     python benchmarks/transcription_latency.py                     # threads 1 and 2, 5 runs
@@ -22,11 +22,11 @@ slows these numbers a lot.
 
 ``--compute-type`` (CTranslate2 front end only) measures each given type; without it the
 front end's default is measured. The script measures whichever ``epd.encoders.speech`` it
-imports, so the transformers front end it replaced (commit be19a22) is measured by running
-this file from a checkout of that commit (benchmarks/README.md, "Transcription latency"). Writes benchmarks/results/transcription_latency.json
-(``--out-dir``): a list of runs, one per (backend, compute_type, threads), each with its
-clips; a new run replaces the stored run with the same key and keeps the others, so the
-file holds the numbers of every backend measured (e.g. before and after a change).
+imports, so another front end is measured by running this file from a checkout that has it.
+Writes benchmarks/results/transcription_latency.json (``--out-dir``): a list of runs, one
+per (backend, compute_type, threads), each with its clips; a new run replaces the stored
+run with the same key and keeps the others, so the file holds the numbers of every backend
+measured (e.g. before and after a change).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ sampled. Then the hostile files the limits refuse from their headers (a 10^5-fra
 the refusal takes, against the full decode the same bytes would have needed.
 
 Each timed call records how many cores other processes kept busy meanwhile (``other_cores``,
-/proc/stat): on a shared 2-core machine another busy process slows these numbers a lot.
+/proc/stat): on a shared machine with few cores another busy process slows these numbers a lot.
 
     python benchmarks/video_decode.py                         # 640x360 @ 30 fps, 2 / 10 / 30 s
     python benchmarks/video_decode.py --size 1280x720 --seconds 10 --runs 3

@@ -45,7 +45,7 @@ worker, so this includes up to one poll's time).
     python benchmarks/voice_latency.py --vad                  # server VAD + speech out (e:1,p:1,d:1,t:1)
 
 Writes benchmarks/results/voice_latency.json and .png (``--out-dir``). The machine's
-load average at start and end goes into the JSON: on a shared 2-core machine, other
+load average at start and end goes into the JSON: on a shared machine with few cores, other
 processes move these numbers a lot.
 """
 

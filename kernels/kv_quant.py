@@ -32,16 +32,9 @@ This is KIVI's layout (per-channel K, per-token V, a full-precision window of re
 tokens), kept within the rows' bytes: the blocks a step has filled never change again, so
 the prefix cache, the P->D transfer (NIXL, block by block), heterogeneous TP's staging
 pack/unpack (head slices: a head's scales sit in its own rows) and migration move bytes,
-unchanged. Greedy agreement with the full-precision cache on 100 SmolLM2 prompts of 32
-tokens (tests/engine/test_kv_cache_dtype.py, 2026-12-05): int8 96.3 % (per-row K scales,
-before: 93.1 %; a bf16 cache 97.9 %), fp8_e4m3 68.8 %. ``benchmarks/kv_quant_schemes.py``
-simulates the layouts tried (its ``kivi`` equals this cache token for token): per-row scales
-per 8 values 95.0 %, the residual with per-row K 95.8 %, per-channel K without the residual
-95.7 %, both (this layout) 96.1 %, and with the prompt's rows of the open block exact too
-98.7 % (a residual that would have to travel P->D). Each half of the prompts moves these by
-up to 3 points, so the first three are not told apart from this one; per-row scales are.
-Earlier (git history) K smoothing, Q-weighted scales, sink tokens in full precision and a
-Hadamard rotation did not help.
+unchanged. Greedy agreement with a full-precision cache is checked by
+tests/engine/test_kv_cache_dtype.py; ``benchmarks/kv_quant_schemes.py`` simulates this layout
+(its ``kivi`` equals this cache token for token) and the alternatives.
 
 On CUDA, :func:`store_quantized_triton` quantizes new rows and writes them in one kernel
 (byte for byte :func:`quantize_kv`'s result; the per-channel rewrite of filled blocks and the

@@ -85,8 +85,8 @@ class Attention(nn.Module):
     in full precision and to earlier tokens' as stored (SGLang's ragged + paged split), so
     with a quantized cache a prefix hit or a chunk boundary changes logprobs by the
     quantization error (tests/engine/test_kv_cache_dtype.py); attending to the stored
-    rows everywhere (vLLM's paged prefill) would remove that, at a measured 93.1 -> 65.8 %
-    greedy agreement with a full-precision cache for SmolLM2 int8 (per-row K scales).
+    rows everywhere (vLLM's paged prefill) would remove that, at a much lower greedy
+    agreement with a full-precision cache (benchmarks/README.md).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
