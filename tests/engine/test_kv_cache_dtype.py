@@ -129,7 +129,7 @@ def test_quantized_kv_prefix_hit_and_chunks_stay_close(tiny_model_dirs, kind):
     stored (quantized), as SGLang's ragged + paged prefill does. So a prompt prefilled
     over a 32-token prefix-cache hit equals the same prompt prefilled in chunks of 32 (both
     attend to the quantized rows 0-31 and to their own rows 32-44 unquantized), and both
-    differ from a prefill from scratch by the quantization error only (README.md says so),
+    differ from a prefill from scratch by the quantization error only (docs/serving.md says so),
     within twice the tolerance against a full-precision cache. A hit that read another sequence's blocks
     would not equal the chunked run. (Attending to the dequantized rows everywhere,
     as vLLM's paged kernels do, makes all three equal but lowered SmolLM2's int8 agreement
