@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from epd import messages
+from epd.messages import tensors as messages
 from epd.messages import (EncodeRequest, GenerateRequest, MessageError, PrefillRequest, ReserveKV, TensorBlob, decode,
                           encode)
 from epd.multimodal import MediaItem, Placeholder

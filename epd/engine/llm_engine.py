@@ -16,8 +16,8 @@ from epd.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.block_manager import BlockManager
 from epd.engine.grammar import GrammarCompiler
-from epd.engine.model_runner import (KVConnectorHooks, ModelRunner, engine_config_to_json, free_port,
-                                     tp_worker_main, rank_device)
+from epd.engine.kv_connector_base import KVConnectorHooks, KVRunnerFactory
+from epd.engine.model_runner import ModelRunner, engine_config_to_json, free_port, rank_device, tp_worker_main
 from epd.engine.scheduler import Scheduler
 from epd.engine.input_batch import InputBatch
 from epd.errors import InvalidRequestError
@@ -54,6 +54,21 @@ def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _check_kv_args(config: EngineConfig, kv_staging_blocks: int, kv_agents: str, instance_id: str | None,
+                   kv_runner: KVRunnerFactory | None) -> None:
+    """Raises ConfigError for a KV setup ``LLMEngine`` cannot start (see its docstring)."""
+    from epd.config import ConfigError
+
+    if kv_agents not in ("rank0", "per-rank") or (kv_agents == "per-rank" and not instance_id):
+        raise ConfigError(f"kv_agents must be 'rank0' or 'per-rank' (with an instance id), got {kv_agents!r}")
+    if kv_staging_blocks > 0 and config.device != "cpu" and kv_agents != "per-rank":
+        raise ConfigError("staged KV transfers (prefill TP != decode TP) on GPUs need --kv-agents per-rank: "
+                          "each TP rank then owns a NIXL agent and a staging buffer in its own VRAM "
+                          "(the rank0 mode's pool is host shared memory)")
+    if (kv_staging_blocks > 0 or kv_agents == "per-rank") and kv_runner is None:
+        raise ConfigError("a KV staging pool or per-rank agents need a KV runner (kv_runner)")
+
+
 class LLMEngine:
     """One model instance (TP ranks included) with continuous batching.
 
@@ -62,88 +77,36 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, tokenizer=None, *, threads: int | None = None,
-                 kv_staging_blocks: int = 0, kv_agents: str = "rank0", instance_id: str | None = None) -> None:
+                 kv_staging_blocks: int = 0, kv_agents: str = "rank0", instance_id: str | None = None,
+                 kv_runner: KVRunnerFactory | None = None) -> None:
         """``threads``: torch threads of each TP rank (default on CPU: cores / TP);
-        ``kv_staging_blocks``: staging pool size for heterogeneous-TP KV transfers
-        (``epd.transfer.staging``; 0: none). ``kv_agents``: "rank0" (one shared-memory
+        ``kv_runner``: builds the KV connector's side of every TP rank (``runner.kv``;
+        ``epd.transfer.kv_runner``), or None. ``kv_staging_blocks``: its staging pool size
+        for heterogeneous-TP KV transfers (0: none). ``kv_agents``: "rank0" (one shared-memory
         staging pool; rank 0's NIXL agent moves every rank's part) or "per-rank" (each
         rank a private pool of its own heads and its own NIXL agent, named after
-        ``instance_id``: ``epd.transfer.rank_agent``; their ``RankKV`` end up in
-        ``rank_kv``). Ranks 1..TP-1 are spawned here and die
+        ``instance_id``). Ranks 1..TP-1 are spawned here and die
         with this process (PDEATHSIG; create the engine in a thread that lives as long
         as the engine, e.g. the main thread).
 
         Raises:
             ConfigError: staged KV on a non-CPU device; ``kv_agents`` not one of the two,
-                or "per-rank" without ``instance_id``.
+                or "per-rank" without ``instance_id``; staging or per-rank agents without
+                ``kv_runner``.
         """
         self.config = config
         self.tokenizer = tokenizer
         self._procs: list[mp.Process] = []
-        port = None
-        tp = config.tensor_parallel_size
-        self.staging = None
-        staging_args = None
-        self.rank_kv: list = []  # RankKV of ranks 1.. (per-rank agents)
-        from epd.config import ConfigError
-
-        if kv_agents not in ("rank0", "per-rank") or (kv_agents == "per-rank" and not instance_id):
-            raise ConfigError(f"kv_agents must be 'rank0' or 'per-rank' (with an instance id), got {kv_agents!r}")
-        per_rank = kv_agents == "per-rank"
-        if kv_staging_blocks > 0:
-            from epd.transfer.staging import StagingPool
-
-            if config.device != "cpu" and not per_rank:
-                raise ConfigError("staged KV transfers (prefill TP != decode TP) on GPUs need --kv-agents per-rank: "
-                                  "each TP rank then owns a NIXL agent and a staging buffer in its own VRAM "
-                                  "(the rank0 mode's pool is host shared memory)")
-
-            layers = config.text_config.num_hidden_layers
-            elems = 2 * config.block_size * config.num_kv_heads * config.kv_row_elems
-            if per_rank:
-                elems //= tp  # this rank's heads only, in its own memory
-            path = StagingPool.new_shm_path("tp") if tp > 1 and not per_rank else None
-            self.staging = StagingPool(layers, kv_staging_blocks, elems, config.kv_storage_dtype, shm_path=path,
-                                       device=rank_device(config, 0))
-            staging_args = (layers, kv_staging_blocks, elems, path)
+        _check_kv_args(config, kv_staging_blocks, kv_agents, instance_id, kv_runner)
+        staged = 0
+        if kv_runner is not None:
+            staged = kv_runner.prepare(config, rank_device(config, 0), kv_staging_blocks, kv_agents, instance_id)
         try:
-            if tp > 1:
-                port = free_port()
-                if threads is None and config.device == "cpu":
-                    threads = max(1, (os.cpu_count() or 1) // tp)
-                if threads:
-                    torch.set_num_threads(threads)
-                ctx = mp.get_context("spawn")
-                cfg_json = engine_config_to_json(config)
-                for rank in range(1, tp):
-                    p = ctx.Process(target=tp_worker_main, daemon=True,
-                                    args=(cfg_json, rank, port, threads, staging_args,
-                                          instance_id if per_rank else None))
-                    p.start()
-                    self._procs.append(p)
-            elif threads:
-                torch.set_num_threads(threads)
-            self.runner = ModelRunner(config, 0, port, self.staging, kv_agents)
+            self.runner = self._start_ranks(config, threads, kv_runner)
         finally:
-            if self.staging is not None:
-                self.staging.unlink()  # every rank has mapped it (or start-up failed)
-        if per_rank and tp > 1:  # every other rank created its agent: collect what it registered
-            import msgspec
-
-            from epd.messages import RankKV
-
-            self.rank_kv = [msgspec.msgpack.decode(b, type=RankKV) for b in self.runner.gather_rank_kv(b"")[1:]]
-        capacity = self.runner.num_blocks * config.block_size
-        if capacity < config.max_model_len:
-            logger.warning("KV cache holds %d tokens < max_model_len %d: max_model_len lowered to %d",
-                           capacity, config.max_model_len, capacity)
-            config.max_model_len = capacity
-        staged = kv_staging_blocks * config.block_size if self.staging is not None else 0
-        if staged and staged < config.max_model_len:  # a prompt's KV must fit the staging pool in one range
-            logger.warning("--kv-staging-mb: the KV staging pool holds %d blocks = %d tokens < max_model_len %d: "
-                           "max_model_len lowered to %d (raise --kv-staging-mb for longer prompts)",
-                           kv_staging_blocks, staged, config.max_model_len, staged)
-            config.max_model_len = staged
+            if kv_runner is not None:
+                kv_runner.started()
+        self._fit_max_model_len(staged)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_tokens_with_decodes or None,
@@ -157,12 +120,53 @@ class LLMEngine:
         self.grammars = GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids, tokenizer)
         self.grammars.warm_up()
         self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
-        # The scheduler-side seam of a KV connector (``epd.transfer.kv_connector``), or None.
+        # The scheduler-side seam of a KV connector (``KVConnectorHooks``), or None.
         self.kv_connector: KVConnectorHooks | None = None
         self.requests: dict[str, _Request] = {}
         self._by_seq_id: dict[int, _Request] = {}
         self._closed = False
         atexit.register(self.shutdown)
+
+    def _start_ranks(self, config: EngineConfig, threads: int | None,
+                     kv_runner: KVRunnerFactory | None) -> ModelRunner:
+        """Spawn TP ranks 1.. (sharing ``kv_runner``), build rank 0's ``ModelRunner`` and its
+        KV side; returns once every rank is ready."""
+        port = None
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            port = free_port()
+            if threads is None and config.device == "cpu":
+                threads = max(1, (os.cpu_count() or 1) // tp)
+            if threads:
+                torch.set_num_threads(threads)
+            ctx = mp.get_context("spawn")
+            cfg_json = engine_config_to_json(config)
+            for rank in range(1, tp):
+                p = ctx.Process(target=tp_worker_main, daemon=True, args=(cfg_json, rank, port, threads, kv_runner))
+                p.start()
+                self._procs.append(p)
+        elif threads:
+            torch.set_num_threads(threads)
+        runner = ModelRunner(config, 0, port)
+        if kv_runner is not None:
+            runner.kv = kv_runner.create(runner)
+        runner.barrier()  # every rank mapped what rank 0 shares: it may be unlinked
+        return runner
+
+    def _fit_max_model_len(self, staged: int) -> None:
+        """Lower ``max_model_len`` to what the KV cache holds, and to ``staged`` tokens
+        (a prompt's KV must fit the staging pool in one range; 0: no staging)."""
+        config = self.config
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < config.max_model_len:
+            logger.warning("KV cache holds %d tokens < max_model_len %d: max_model_len lowered to %d",
+                           capacity, config.max_model_len, capacity)
+            config.max_model_len = capacity
+        if staged and staged < config.max_model_len:
+            logger.warning("--kv-staging-mb: the KV staging pool holds %d blocks = %d tokens < max_model_len %d: "
+                           "max_model_len lowered to %d (raise --kv-staging-mb for longer prompts)",
+                           staged // config.block_size, staged, config.max_model_len, staged)
+            config.max_model_len = staged
 
     # ---- requests -----------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -255,7 +259,7 @@ class LLMEngine:
         """One step: schedule -> run -> sample -> post-process.
 
         With a KV connector, its ``build_step(scheduler_output)`` gives the step's
-        per-layer hook and staging packs (``StepKV``, see ``epd.engine.model_runner``).
+        per-layer hook and staging packs (``StepKV``, see ``epd.engine.kv_connector_base``).
         """
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()

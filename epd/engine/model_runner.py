@@ -17,70 +17,27 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from epd.config import EngineConfig
-from epd.engine.layer_gate import LayerGate
-from epd.engine.scheduler import SchedulerOutput
 from epd.engine.block_table import BlockTables
+from epd.engine.kv_connector_base import KVRunnerBase, KVRunnerFactory
+from epd.engine.layer_gate import LayerGate
 from epd.engine.step_input import StepInput, step_layout
 from epd.kernels.kv_quant import channel_fill_plan
-from epd.kernels.kv_staging import pack_kv, staging_shape, unpack_kv
 from epd.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
+from epd.messages import KVRankMessage, Shutdown
 from epd.models import get_model_class
 from epd.models.loader import load_weights
-from epd.transfer.rank_agent import KVPlan, KVPoll, KVRelease, RankKVWriter, RankPeers
 
 logger = logging.getLogger(__name__)
 
 
-class KVUnpack(msgspec.Struct, tag="unpack"):
-    """Scatter a staged request's KV (written by a prefill instance of ``src_tp``
-    ranks) into ``block_ids`` of every rank's paged cache, all layers."""
-
-    staging_block: int
-    block_ids: list[int]
-    src_tp: int
-
-
-class Shutdown(msgspec.Struct, tag="shutdown"):
-    pass
-
-
-@dataclass(slots=True)
-class StepKV:
-    """Worker-side KV-connector work for one step (what ``KVConnectorHooks.build_step`` returns).
-
-    layer_hook: rank 0, called with layer l once every rank stored (and packed) layer
-        l's K/V: right after the store at TP=1; at TP>1 when layer l+1 starts (the
-        row-parallel all-reduces of layer l order it after every rank's store) or,
-        for the last layer, after the forward.
-    kv_packs: see ``StepInput.kv_packs``.
-    """
-
-    layer_hook: Callable[[int], None] | None = None
-    kv_packs: list[tuple[int, list[int]]] = field(default_factory=list)
-
-
-class KVConnectorHooks(Protocol):
-    """What the engine calls on a KV connector (``epd.transfer.kv_connector``; see
-    docs/architecture.md, "KV connector"). Source: vLLM v1 ``KVConnectorBase_V1``."""
-
-    def build_step(self, sched: SchedulerOutput) -> StepKV | None:
-        """This step's per-layer hook and staging packs (None: no KV to move)."""
-
-    def request_finished(self, seq) -> bool:
-        """``seq`` just finished; True keeps its blocks (the connector frees them
-        once its KV is sent or the send failed)."""
-
-
 _CODEC_ENCODER = msgspec.msgpack.Encoder()
-_CODEC_DECODER = msgspec.msgpack.Decoder(StepInput | KVUnpack | Shutdown | KVPlan | KVPoll | KVRelease | RankPeers)
+_CODEC_DECODER = msgspec.msgpack.Decoder(StepInput | Shutdown | KVRankMessage)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -93,21 +50,15 @@ class ModelRunner:
 
     k_cache / v_cache: [num_layers, num_blocks, block_size, num_kv_heads / tp, head_dim], the
     model's dtype; or, quantized (``kv_cache_dtype``), uint8 rows of ``head_dim + scale_bytes(head_dim)`` bytes.
-    ``staging``: the instance's staging pool (``epd.transfer.staging``), mapped by
-    every rank, or None when the instance moves KV block to block only.
-    ``kv_agents``: "rank0" (that shared pool, moved by rank 0's agent) or "per-rank"
-    (``staging`` is this rank's private pool of its own KV heads, and ``kv_writer``,
-    set once this rank's NIXL agent exists, posts its writes: ``epd.transfer.rank_agent``).
+    ``kv``: the KV connector's side on this rank (``epd.engine.kv_connector_base.KVRunnerBase``,
+    set by its factory once the runner exists), or None. At TP>1 every rank calls
+    ``barrier()`` once its ``kv`` is set.
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0, dist_port: int | None = None,
-                 staging=None, kv_agents: str = "rank0") -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_port: int | None = None) -> None:
         self.config = config
         self.rank = rank
-        self.staging = staging
-        self.kv_agents = kv_agents
-        self.kv_writer: RankKVWriter | None = None
-        self.rank_requests = 0  # NIXL requests posted by ranks 1.. (per-rank agents; as of the last poll_kv)
+        self.kv: KVRunnerBase | None = None
         self.device = rank_device(config, rank)
         self.layer_gate = LayerGate(self.device)  # per-layer KV sends wait for the layer's kernels (GPU)
         tp = config.tensor_parallel_size
@@ -154,8 +105,6 @@ class ModelRunner:
             from epd.kernels import cpu_attention
 
             cpu_attention.load()
-        if tp > 1:
-            dist.barrier()  # every rank mapped the staging file: rank 0 may unlink it
 
     # ---- rank 0 -------------------------------------------------------
     def execute(self, step: StepInput, mm_embeds: torch.Tensor | None = None,
@@ -174,57 +123,6 @@ class ModelRunner:
         self.in_step = False
         return out
 
-    def unpack_kv(self, staging_block: int, block_ids: list[int], src_tp: int) -> None:
-        """Scatter a request's staged KV (every layer) into ``block_ids`` of every
-        rank's cache, each rank taking its own head slice; returns when all ranks
-        are done. The staging region is laid out by ``src_tp`` prefill ranks
-        (``epd.kernels.kv_staging``)."""
-        msg = KVUnpack(staging_block, list(block_ids), src_tp)
-        self.in_step = True
-        if self.config.tensor_parallel_size > 1:
-            _broadcast_message(msg)
-        self._unpack(msg)
-        if self.config.tensor_parallel_size > 1:
-            dist.barrier()
-        self.in_step = False
-
-    # ---- rank 0: per-rank agents (epd.transfer.rank_agent) ------------------
-    def set_kv_plan(self, plan: KVPlan) -> None:
-        """Give every rank the next step's per-rank KV writes (call before ``execute``)."""
-        if self.config.tensor_parallel_size > 1:
-            _broadcast_message(plan)
-        self.kv_writer.set_plan(plan)
-
-    def poll_kv(self, request_ids: list[str]) -> list[int]:
-        """The state of each request's writes over every rank (``WRITE_DONE`` <
-        ``WRITE_PENDING`` < ``WRITE_FAILED``: the worst rank's); updates ``rank_requests``."""
-        mine = [self.kv_writer.state(r) for r in request_ids]
-        tp = self.config.tensor_parallel_size
-        if tp == 1:
-            return mine
-        self.in_step = True
-        _broadcast_message(KVPoll(list(request_ids)))
-        got = _gather_states(torch.tensor([*mine, 0], dtype=torch.long), tp)
-        self.in_step = False
-        self.rank_requests = int(got[1:, -1].sum())
-        return [int(v) for v in got[:, :-1].max(dim=0).values]
-
-    def release_kv(self, request_ids: list[str]) -> None:
-        """Release (cancel) the requests' writes on every rank."""
-        if self.config.tensor_parallel_size > 1:
-            _broadcast_message(KVRelease(list(request_ids)))
-        self.kv_writer.release(list(request_ids))
-
-    def add_rank_peers(self, msg: RankPeers) -> None:
-        """Load peer agents into ranks 1.. (rank 0's agent loads its own)."""
-        if self.config.tensor_parallel_size > 1:
-            _broadcast_message(msg)
-
-    def gather_rank_kv(self, mine: bytes) -> list[bytes]:
-        """Every rank's encoded ``epd.messages.RankKV`` (a collective: each rank calls it once
-        at start, after creating its agent), in rank order."""
-        return _all_gather_bytes(mine, self.config.tensor_parallel_size)
-
     def shutdown(self) -> bool:
         """Tell the other TP ranks to exit. Returns False when they cannot be told
         (a step was interrupted, so they wait in a collective): kill them instead."""
@@ -235,64 +133,39 @@ class ModelRunner:
             dist.destroy_process_group()
         return True
 
+    # ---- the TP group, for the KV runner side (``RankRunner``) --------------
+    def broadcast(self, msg) -> None:
+        """Rank 0: send ``msg`` (a ``StepInput`` or ``epd.messages.KVRankMessage``) to every other rank."""
+        _broadcast_message(msg)
+
+    def gather_states(self, mine: torch.Tensor) -> torch.Tensor:
+        """[tp, len(mine)] int64 of every rank's ``mine`` (a collective; rank 0's answer)."""
+        return _gather_states(mine, self.config.tensor_parallel_size)
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload`` (a collective over the TP group), in rank order."""
+        return _all_gather_bytes(payload, self.config.tensor_parallel_size)
+
+    def barrier(self) -> None:
+        """Wait for every TP rank (nothing at TP=1)."""
+        if self.config.tensor_parallel_size > 1:
+            dist.barrier()
+
     # ---- every rank ---------------------------------------------------
-    def _staged(self, layer: int, start: int, n: int, src_tp: int) -> torch.Tensor:
-        """The shared pool's region [src_tp, 2, n, block_size, heads / src_tp, row] of every rank."""
-        view = self.staging.view(layer, start, n)
-        return view.view(staging_shape(src_tp, n, self.config.block_size, self.config.num_kv_heads,
-                                       self.config.kv_row_elems))
-
-    def _own_staged(self, layer: int, start: int, n: int, parts: int) -> torch.Tensor:
-        """Per-rank agents: this rank's region [parts, 2, n, block_size, heads_of_rank / parts, row]."""
-        view = self.staging.view(layer, start, n)
-        return view.view(staging_shape(parts, n, self.config.block_size, self.k_cache.shape[3],
-                                       self.config.kv_row_elems))
-
-    def _pack(self, layer: int, packs: list[tuple[int, list[int]]]) -> None:
-        tp = self.config.tensor_parallel_size
-        if self.kv_agents == "per-rank":
-            parts_of = self.kv_writer.packs()
-            for start, ids in packs:
-                parts = parts_of[start]
-                out = self._own_staged(layer, start, len(ids), parts)
-                hp = self.k_cache.shape[3] // parts
-                ids_t = torch.tensor(ids, device=self.device)
-                for j in range(parts):  # part j: heads [j * hp, (j + 1) * hp) of this rank
-                    k, v = self.k_cache[layer], self.v_cache[layer]
-                    if parts > 1:
-                        k, v = k[:, :, j * hp:(j + 1) * hp], v[:, :, j * hp:(j + 1) * hp]
-                    pack_kv(k, v, ids_t, out[j])
-            return
-        for start, ids in packs:
-            part = self._staged(layer, start, len(ids), tp)[self.rank]
-            pack_kv(self.k_cache[layer], self.v_cache[layer], torch.tensor(ids, device=self.device), part)
-
-    @torch.inference_mode()
-    def _unpack(self, msg: KVUnpack) -> None:
-        ids = torch.tensor(msg.block_ids, device=self.device)
-        heads = self.k_cache.shape[3]
-        tp = self.config.tensor_parallel_size
-        for layer in range(self.k_cache.shape[0]):
-            if self.kv_agents == "per-rank":  # this rank's heads only, in src_tp / tp parts (or one)
-                src = self._own_staged(layer, msg.staging_block, len(msg.block_ids), max(1, msg.src_tp // tp))
-                unpack_kv(src, self.k_cache[layer], self.v_cache[layer], ids, 0)
-            else:
-                src = self._staged(layer, msg.staging_block, len(msg.block_ids), msg.src_tp)
-                unpack_kv(src, self.k_cache[layer], self.v_cache[layer], ids, self.rank * heads)
-
     def _layer_hook(self, step: StepInput, user: Callable[[int], None] | None) -> Callable[[int], None] | None:
-        """Per-layer work of this rank: pack (every rank), then the rank-0 hook
-        (deferred by one layer at TP>1, see ``StepKV``)."""
-        packs = step.kv_packs
-        if not packs and user is None:
+        """Per-layer work of this rank: the KV runner's pack (every rank), then its post
+        and the rank-0 hook (deferred by one layer at TP>1, see ``StepKV``)."""
+        work = self.kv.layer_work(step) if self.kv is not None else None
+        if work is None and user is None:
             return None
         deferred = self.config.tensor_parallel_size > 1
-        writer = self.kv_writer if self.kv_agents == "per-rank" and packs else None
+        pack = work.pack if work is not None else None
+        post = work.post if work is not None else None
         gate = self.layer_gate
 
         def send(layer: int) -> None:
-            if writer is not None:  # this rank's own part, as soon as it is packed
-                writer.write_layer(layer)
+            if post is not None:  # e.g. this rank's own writes, as soon as its part is packed
+                post(layer)
             if user is not None:
                 if not deferred:
                     user(layer)
@@ -300,8 +173,8 @@ class ModelRunner:
                     user(layer - 1)
 
         def hook(layer: int) -> None:
-            if packs:
-                self._pack(layer, packs)
+            if pack is not None:
+                pack(layer)
             gate.push(layer, send)  # on a GPU: once the layer's store and pack have run
 
         return hook
@@ -347,8 +220,8 @@ class ModelRunner:
             self.layer_gate.flush()
         finally:
             self.layer_gate.discard()  # a failed forward posts none of its remaining sends
-            if self.kv_writer is not None:
-                self.kv_writer.end_step()
+            if self.kv is not None:
+                self.kv.end_step()
         if layer_hook is not None and self.config.tensor_parallel_size > 1:
             layer_hook(self.k_cache.shape[0] - 1)
         return self._logits(step, hidden)
@@ -409,7 +282,7 @@ def _broadcast_message(msg) -> None:
     dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
 
 
-def _receive_message() -> StepInput | Shutdown:
+def _receive_message() -> StepInput | Shutdown | KVRankMessage:
     size = torch.empty(1, dtype=torch.long)
     dist.broadcast(size, src=0)
     buf = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -447,64 +320,26 @@ def _die_with_parent() -> None:
 
 
 def tp_worker_main(config_json: str, rank: int, dist_port: int, threads: int | None = None,
-                   staging_args: tuple | None = None, kv_agent: str | None = None) -> None:
+                   kv: KVRunnerFactory | None = None) -> None:
     """Entry point of TP rank ``rank`` > 0: serve steps until Shutdown.
 
-    ``staging_args``: ``(num_layers, num_blocks, block_elems, shm_path)`` of rank 0's
-    staging pool, mapped here (see ``epd.transfer.staging``); ``shm_path`` None: a
-    private pool of this rank's heads (per-rank agents).
-    ``kv_agent``: with per-rank agents, the instance id: this rank creates its NIXL agent
-    (``epd.transfer.rank_agent.rank_agent_name``), registers its KV cache and staging
-    pool, and sends its ``RankKV`` to rank 0."""
+    ``kv``: the factory of the KV connector's side (``KVRunnerFactory``, prepared on rank 0),
+    or None; this rank's side serves the KV messages rank 0 broadcasts."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     if threads:
         torch.set_num_threads(threads)
     config = EngineConfig(**json.loads(config_json))
-    staging = None
-    if staging_args is not None:
-        from epd.transfer.staging import StagingPool
-
-        layers, blocks, elems, path = staging_args
-        staging = StagingPool(layers, blocks, elems, config.kv_storage_dtype, shm_path=path, create=False,
-                              device=rank_device(config, rank))
-    runner = ModelRunner(config, rank, dist_port, staging, "per-rank" if kv_agent else "rank0")
-    transport = None
-    if kv_agent is not None:
-        from epd.messages import RankKV
-        from epd.transfer.nixl_transport import NixlTransport, layer_regions
-        from epd.transfer.rank_agent import rank_agent_name
-
-        # A progress thread (1 ms sleep): this process blocks in the TP group between steps, while
-        # UCX needs the target of a write to progress, and this rank's writes may outlive its step.
-        transport = NixlTransport(rank_agent_name(kv_agent, rank), progress_thread_us=1000)
-        tensors = [runner.k_cache, runner.v_cache] + ([staging.buffer] if staging is not None else [])
-        transport.register(tensors)
-        info = RankKV(transport.name, transport.metadata(), layer_regions(runner.k_cache),
-                      layer_regions(runner.v_cache), staging.layer_regions() if staging is not None else [])
-        runner.kv_writer = RankKVWriter(transport, rank, staging)
-        runner.gather_rank_kv(msgspec.msgpack.encode(info))
+    runner = ModelRunner(config, rank, dist_port)
+    if kv is not None:
+        runner.kv = kv.create(runner)
+    runner.barrier()  # every rank mapped what rank 0 shares: rank 0 may unlink it
     while True:
         msg = _receive_message()
         if isinstance(msg, Shutdown):
             break
-        if isinstance(msg, KVUnpack):
-            runner._unpack(msg)
-            dist.barrier()
-            continue
-        if isinstance(msg, KVPlan):
-            runner.kv_writer.set_plan(msg)
-            continue
-        if isinstance(msg, KVPoll):
-            states = [runner.kv_writer.state(r) for r in msg.request_ids]
-            _gather_states(torch.tensor([*states, transport.num_requests], dtype=torch.long),
-                           config.tensor_parallel_size)
-            continue
-        if isinstance(msg, KVRelease):
-            runner.kv_writer.release(msg.request_ids)
-            continue
-        if isinstance(msg, RankPeers):
-            runner.kv_writer.add_peers(msg)
+        if not isinstance(msg, StepInput):
+            runner.kv.handle(msg)
             continue
         mm_embeds = None
         if msg.mm_rows:
@@ -512,7 +347,7 @@ def tp_worker_main(config_json: str, rank: int, dist_port: int, threads: int | N
             mm_embeds = torch.empty(rows, config.text_config.hidden_size, dtype=config.torch_dtype)
             dist.broadcast(mm_embeds, src=0)
         runner._run(msg, mm_embeds)
-    if transport is not None:
-        transport.close()
+    if runner.kv is not None:
+        runner.kv.close()
     dist.destroy_process_group()
     os._exit(0)

@@ -4,16 +4,16 @@ As vLLM's ``NixlConnector`` has it, every TP rank of a prefill or decode instanc
 a NIXL agent that registers that rank's paged KV cache and its private staging buffer
 (this rank's KV heads only; ``epd.transfer.staging``). Rank 0's agent is the worker's
 own (named after the instance); rank r's is ``<instance>.tp<r>``, created in the TP
-rank's process (``epd.engine.model_runner.tp_worker_main``).
+rank's process (``epd.transfer.kv_runner.NixlKVRunnerFactory``).
 
 Staged layout of one request and one layer with ``g = max(src_tp, dst_tp)`` *parts*
 of ``num_kv_heads / g`` heads each, part ``j`` = ``[2 (K, V), n, block_size,
 num_kv_heads / g, head_dim]`` (``epd.kernels.kv_staging``):
 
 * prefill rank r holds parts ``[r * g/src_tp, (r + 1) * g/src_tp)`` in its staging
-  range (packed from its cache, ``ModelRunner._pack``);
+  range (packed from its cache, ``NixlKVRunner._pack``, ``epd.transfer.kv_runner``);
 * decode rank q holds parts ``[q * g/dst_tp, (q + 1) * g/dst_tp)`` in its staging range
-  (scattered into its cache by ``ModelRunner._unpack``);
+  (scattered into its cache by ``NixlKVRunner._unpack``);
 * one of ``g/src_tp``, ``g/dst_tp`` is 1, so every part moves with one NIXL WRITE from
   the prefill rank holding it to the decode rank that needs it: ``g`` writes per layer,
   ``num_layers * g`` per request (2->1, 1->2, 2->2, 2->4, 4->2 alike).
@@ -21,7 +21,7 @@ num_kv_heads / g, head_dim]`` (``epd.kernels.kv_staging``):
 Control stays on the instance's own channel: rank 0 computes every rank's writes
 (``RankSend``: addresses on the decode side's ranks, from their advertised
 ``epd.messages.RankKV``) and broadcasts them with the step (``KVPlan``, msgpack over the
-gloo group, never pickle); each rank posts its writes right after packing each layer;
+gloo group, never pickle; the messages are in ``epd.messages.tp``); each rank posts its writes right after packing each layer;
 rank 0 asks every rank for the state of its writes (``KVPoll``: one gather) and sends
 ``KVReady`` once all of them are done; ``KVRelease`` cancels a request's writes on
 every rank (abort, failure, deadline).
@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import logging
 
-import msgspec
-
-from epd.messages import Region
+from epd.messages import KVPlan, RankPeers, RankSend, RankTarget
 from epd.transfer.nixl_transport import NixlTransport, Transfer, TransferError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVPlan", "KVPoll", "KVRelease", "RankPeer", "RankPeers", "RankSend", "RankTarget", "RankKVWriter",
-           "WRITE_DONE", "WRITE_FAILED", "WRITE_PENDING", "rank_agent_name", "plan_send"]
+__all__ = ["RankKVWriter", "WRITE_DONE", "WRITE_FAILED", "WRITE_PENDING", "rank_agent_name", "plan_send"]
 
 #: states of one request's writes on one rank (``KVPoll``); the instance's state is the highest
 WRITE_DONE, WRITE_PENDING, WRITE_FAILED = 0, 1, 2
@@ -48,64 +45,6 @@ WRITE_DONE, WRITE_PENDING, WRITE_FAILED = 0, 1, 2
 def rank_agent_name(instance_id: str, rank: int) -> str:
     """The NIXL agent name of ``rank`` of ``instance_id`` (rank 0: the instance's own agent)."""
     return instance_id if rank == 0 else f"{instance_id}.tp{rank}"
-
-
-class RankTarget(msgspec.Struct, array_like=True, frozen=True):
-    """Rank ``rank`` writes ``num_parts`` parts, from part ``part`` of its staging range,
-    to agent ``agent``; ``remote[l]``: destination address of layer l (bytes), in memory
-    ``device`` of the decode rank (a region's device field: 0 host, 1 + i ``cuda:i``)."""
-
-    rank: int
-    agent: str
-    part: int
-    num_parts: int
-    remote: list[int]
-    device: int = 0
-
-
-class RankSend(msgspec.Struct, frozen=True):
-    """One request's writes in a step: its staging range (first block ``staging_block``,
-    ``num_blocks``; every rank's pool is allocated alike), ``parts`` parts of
-    ``part_bytes`` bytes in each rank's range per layer, and the ``targets``."""
-
-    request_id: str
-    staging_block: int
-    num_blocks: int
-    parts: int
-    part_bytes: int
-    targets: list[RankTarget]
-
-
-class KVPlan(msgspec.Struct, tag="kv_plan", frozen=True):
-    """Rank 0 -> ranks, before a step's ``StepInput``: the step's per-rank KV writes."""
-
-    sends: list[RankSend]
-
-
-class KVPoll(msgspec.Struct, tag="kv_poll", frozen=True):
-    """Rank 0 -> ranks: report the state of these requests' writes (a gather follows)."""
-
-    request_ids: list[str]
-
-
-class KVRelease(msgspec.Struct, tag="kv_release", frozen=True):
-    """Rank 0 -> ranks: release (cancel) these requests' writes and forget them."""
-
-    request_ids: list[str]
-
-
-class RankPeer(msgspec.Struct, array_like=True, frozen=True):
-    """A peer rank's agent: its metadata and the regions writes may touch."""
-
-    agent: str
-    nixl_metadata: bytes
-    regions: list[Region]
-
-
-class RankPeers(msgspec.Struct, tag="rank_peers", frozen=True):
-    """Rank 0 -> ranks: load (or reload, after a restart) these peer agents."""
-
-    peers: list[RankPeer]
 
 
 def plan_send(request_id: str, staging_block: int, num_blocks: int, full_block_bytes: int, src_tp: int,
@@ -158,7 +97,7 @@ class RankKVWriter:
             self.transfers.setdefault(s.request_id, [])
 
     def packs(self) -> dict[int, int]:
-        """staging block -> parts, of the current plan (what ``ModelRunner._pack`` lays out)."""
+        """staging block -> parts, of the current plan (what ``NixlKVRunner._pack`` lays out)."""
         return {s.staging_block: s.parts for s in self.plan}
 
     def write_layer(self, layer: int) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from epd.transfer.nixl_transport import tensor_region
+from epd.transfer.regions import tensor_region
 
 __all__ = ["StagingPool", "StagingPoolError"]
 

@@ -6,7 +6,7 @@ import time
 
 from epd.messages import Abort, GenerateRequest, Message, ReserveKV, TokenOutput
 from epd.roles import Role
-from epd.transfer.kv_connector import NixlKVReceiver
+from epd.transfer.kv_receiver import NixlKVReceiver
 from epd.workers.engine_worker import EngineWorker
 
 
@@ -27,7 +27,7 @@ class DecodeWorker(EngineWorker):
 
     def __init__(self, args) -> None:
         super().__init__(args)
-        self.kv = NixlKVReceiver(self.engine, self.transport, self.staging, self.instance_id)
+        self.kv = NixlKVReceiver(self.engine, self.transport, self.staging, self.instance_id, kv_runner=self.kv_runner)
         self.announce(self.regions, self.kv_layout)
 
     def handle_role(self, msg: Message) -> None:

@@ -11,7 +11,7 @@ import time
 import torch
 
 from epd.errors import CapacityError
-from epd.transfer.nixl_transport import device_code
+from epd.transfer.regions import device_code
 
 
 class BufferFullError(CapacityError):
@@ -35,7 +35,7 @@ class EmbeddingBuffer:
         self.tensor = torch.zeros(capacity_bytes, dtype=torch.uint8, device=device)
         self.capacity = capacity_bytes
         self.addr = self.tensor.data_ptr()
-        self.device_code = device_code(self.tensor)  # the region device field (epd.transfer.nixl_transport)
+        self.device_code = device_code(self.tensor)  # the region device field (epd.transfer.regions)
         self._slots: dict[int, tuple[int, str, float]] = {}  # offset -> (size, owner, time)
 
     @property

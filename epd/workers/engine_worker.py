@@ -16,7 +16,8 @@ from epd.model_files import resolve_model
 from epd.multimodal import Placeholder
 from epd.roles import Role
 from epd.transfer.kv_connector import kv_layout
-from epd.transfer.nixl_transport import layer_regions
+from epd.transfer.kv_runner import NixlKVRunner, NixlKVRunnerFactory
+from epd.transfer.regions import layer_regions
 from epd.workers.base import BaseWorker, WorkerArgs
 from epd.workers.embedding_buffer import EmbeddingBuffer
 from epd.workers.embedding_chunks import join_chunks
@@ -37,9 +38,11 @@ class EngineWorker(BaseWorker):
         self.per_rank = args.kv_agents == "per-rank"
         self.engine = LLMEngine(config, threads=args.threads,
                                 kv_staging_blocks=self.staging_blocks(config, args.kv_staging_mb),
-                                kv_agents=args.kv_agents, instance_id=self.instance_id)
+                                kv_agents=args.kv_agents, instance_id=self.instance_id,
+                                kv_runner=NixlKVRunnerFactory())
         runner = self.engine.runner
-        self.staging = self.engine.staging
+        self.kv_runner: NixlKVRunner = runner.kv  # the KV connector's side of rank 0
+        self.staging = self.kv_runner.staging
         self.recv_buffer = EmbeddingBuffer(args.embedding_buffer_mb * 2**20, device=runner.device)
         tensors = [runner.k_cache, runner.v_cache, self.recv_buffer.tensor]
         if self.staging is not None:
@@ -50,10 +53,10 @@ class EngineWorker(BaseWorker):
             from epd.messages import RankKV
             from epd.transfer.rank_agent import RankKVWriter
 
-            runner.kv_writer = RankKVWriter(self.transport, 0, self.staging)
+            self.kv_runner.writer = RankKVWriter(self.transport, 0, self.staging)
             ranks = [RankKV(self.instance_id, b"", layer_regions(runner.k_cache), layer_regions(runner.v_cache),
                             self.staging.layer_regions() if self.staging is not None else []),
-                     *self.engine.rank_kv]
+                     *self.kv_runner.rank_kv]
         self.kv_layout = kv_layout(runner.k_cache, runner.v_cache, config.block_size, args.tp, self.staging,
                                    config.kv_quant, args.kv_agents, ranks)
         self.regions = regions
@@ -97,7 +100,7 @@ class EngineWorker(BaseWorker):
 
     def kv_requests(self) -> int:
         """NIXL requests this instance posted: rank 0's agent, plus its other ranks' (per-rank agents)."""
-        return self.transport.num_requests + self.engine.runner.rank_requests
+        return self.transport.num_requests + self.kv_runner.rank_requests
 
     def peer_added(self, msg) -> None:
         """Per-rank agents: a prefill instance's ranks write to every rank of a decode
@@ -106,13 +109,13 @@ class EngineWorker(BaseWorker):
         if not (self.per_rank and self.role == Role.PREFILL and layout is not None
                 and layout.kv_agents == "per-rank" and layout.ranks):
             return
-        from epd.transfer.rank_agent import RankPeer, RankPeers
+        from epd.messages import RankPeer, RankPeers
 
         peers = [RankPeer(rk.agent, rk.nixl_metadata or msg.nixl_metadata,
                           [*rk.k_regions, *rk.v_regions, *rk.staging_regions]) for rk in layout.ranks]
         for p in peers[1:]:  # rank 0's agent already holds the instance's own (rank 0) agent
             self.transport.add_peer(p.nixl_metadata, p.regions, p.agent)  # (re)loaded under its name
-        self.engine.runner.add_rank_peers(RankPeers(peers))
+        self.kv_runner.add_rank_peers(RankPeers(peers))
 
     def fetch_embeddings(self, request_id: str, encode_instance: str | None, refs: list[EmbeddingRef],
                          placeholders: list[Placeholder] | None = None) -> list[torch.Tensor]:

@@ -10,7 +10,8 @@ import msgspec
 
 from epd.messages import Message, PrefillDone, PrefillRequest, RequestFailed, TokenLogprob
 from epd.roles import Role
-from epd.transfer.kv_connector import KVSend, NixlKVSender
+from epd.transfer.kv_connector import KVSend
+from epd.transfer.kv_sender import NixlKVSender
 from epd.workers.engine_worker import EngineWorker
 
 
@@ -42,7 +43,7 @@ class PrefillWorker(EngineWorker):
         super().__init__(args)
         self.kv = NixlKVSender(self.transport, self.kv_layout, self.peers, self.staging, args.tp, self.instance_id,
                                free_blocks=self.engine.block_manager.free, fenced=self.frozen_since,
-                               timeout_s=args.kv_timeout_s, runner=self.engine.runner)
+                               timeout_s=args.kv_timeout_s, runner=self.kv_runner)
         self.engine.kv_connector = self.kv
         self.prompts: dict[str, _Prompt] = {}
         self.waiting_staging: deque[tuple[PrefillRequest, float]] = deque()  # staged KV, no staging room yet

@@ -20,7 +20,7 @@ from epd.messages import KVReserved, ReserveKV
 from epd.multimodal import Placeholder
 from epd.sequence import Sequence, SequenceStatus
 from epd.tiny import IMAGE_TOKEN, create_tiny_model
-from epd.transfer.kv_connector import NixlKVReceiver
+from epd.transfer.kv_receiver import NixlKVReceiver
 
 BS = 4
 HASH_A, HASH_B = "a" * 64, "b" * 64

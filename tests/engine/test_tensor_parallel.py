@@ -8,7 +8,7 @@ import pytest
 
 from epd import LLM, SamplingParams
 from epd.config import ConfigError
-from epd.engine.model_runner import StepKV
+from epd.engine.kv_connector_base import StepKV
 
 
 @pytest.mark.slow

@@ -270,7 +270,8 @@ def _decode_side(conn, dev: str, mem: str) -> None:
 def check_staged(dev: str) -> dict:
     from epd.kernels.kv_staging import pack_kv
     from epd.messages import KVLayout, RankKV
-    from epd.transfer.nixl_transport import NixlTransport, TransferError, tensor_region
+    from epd.transfer.nixl_transport import NixlTransport, TransferError
+    from epd.transfer.regions import tensor_region
     from epd.transfer.rank_agent import plan_send
 
     g = torch.Generator(device=dev).manual_seed(1)
@@ -370,7 +371,8 @@ def check_overlap(dev: str) -> dict:
     CUDA event per layer, polled, never waited on until the end). Hidden share =
     (compute alone + transfers alone - both) / transfers alone."""
     from epd.engine.layer_gate import LayerGate
-    from epd.transfer.nixl_transport import NixlTransport, tensor_region
+    from epd.transfer.nixl_transport import NixlTransport
+    from epd.transfer.regions import tensor_region
 
     on_cuda = dev == "cuda"
     mb = OV_MB if on_cuda else 1

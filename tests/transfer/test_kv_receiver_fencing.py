@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from epd import LLM, SamplingParams
 from epd.messages import KVReady, KVReserved, KVWriterDone, KVWriterFenced, ReserveKV, encode
-from epd.transfer.kv_connector import NixlKVReceiver
+from epd.transfer.kv_receiver import NixlKVReceiver
 
 
 class Inbox:

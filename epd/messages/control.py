@@ -1,98 +1,24 @@
-"""Every control-plane message between epd processes, in one module.
+"""Router <-> worker control messages (ZeroMQ) and their codec, ``encode`` / ``decode``.
 
-ZeroMQ carries these as msgpack (msgspec) — never pickle. Each message is a
-tagged struct; ``encode`` / ``decode`` are the only (de)serialisers. The
-in-process types go on the wire as they are (``SamplingParams``, and
-``Placeholder`` / ``MediaItem`` from ``epd.multimodal``). A ``torch.Tensor``
-field travels as a ``TensorBlob`` (dtype name, shape, raw bytes; the
-encoder's ``enc_hook`` / decoder's ``dec_hook``), checked on decode against an
-allow-list of dtypes, the byte count implied by the shape and
-``MAX_TENSOR_BYTES``.
-Bulk data (embeddings, KV cache) never rides here: it moves over NIXL, and
-these messages carry only descriptor tables (``Region`` = addr, nbytes,
-device id) that the receiver validates against what the peer advertised.
-
-Flow (see docs/architecture.md, "Wire messages"):
-  router -> E: EncodeRequest            E -> router: EncodeDone
-  router -> D: ReserveKV (prompt, params, placeholders) D -> router: KVReserved
-  router -> P: PrefillRequest           P -> router: PrefillDone ; P -> D (NIXL notif): KVReady or KVWriterDone
-  router -> PD: GenerateRequest (aggregated pool)
-  router -> T: SynthesizeRequest (one phrase) T -> router: AudioChunk (stream, the last one ``final``)
-  D/PD -> router: TokenOutput (stream)  any -> router: WorkerReady, Heartbeat, RequestFailed
-  P/PD -> router: KVEvents (prefix-cache changes, for KV-aware routing)
-  router -> any: Abort, PeerGone, Shutdown, Registered / RegistrationRefused, RouterPing
-  any -> router: Draining (SIGTERM)     P -> D (NIXL notif, router lost): KVWriterFenced
+Each message is a tagged msgspec struct sent as msgpack, never pickle; ``decode`` also
+reads the prefill -> decode NIXL notifications (``epd.messages.kv_notifs``). The
+in-process types go on the wire as they are (``SamplingParams``, and ``Placeholder`` /
+``MediaItem`` from ``epd.multimodal``); a ``torch.Tensor`` field travels as a
+``TensorBlob`` (``epd.messages.tensors``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Annotated
 
 import msgspec
-import numpy as np
-import torch
 
+from epd.messages.base import MessageError, Region, Shutdown
+from epd.messages.kv_layout import KVLayout
+from epd.messages.kv_notifs import KVReady, KVWriterDone, KVWriterFenced
+from epd.messages.tensors import dec_hook, enc_hook
 from epd.multimodal import MediaItem, Placeholder
 from epd.sampling_params import SamplingParams
-
-Region = tuple[int, int, int]  # (addr, nbytes, device_id) of registered memory
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-#: a KVLayout's ``dtype``: a float dtype, or a quantized cache's kind (uint8 rows, epd.kernels.kv_quant)
-_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-              "int8": torch.uint8, "fp8_e4m3": torch.uint8}
-MAX_TENSOR_BYTES = 256 * 2**20
-
-
-class MessageError(ValueError):
-    """A message failed to decode or validate (the sender is buggy or hostile)."""
-
-
-class TensorBlob(msgspec.Struct, frozen=True):
-    """A tensor on the wire: ``dtype`` name, ``shape``, raw little-endian bytes.
-
-    Every ``torch.Tensor`` field of a message (``MediaItem.data``) is sent as one
-    (``_enc_hook``) and checked by ``to_tensor`` on decode (``_dec_hook``); engine
-    workers check embeddings read over NIXL the same way."""
-
-    dtype: str
-    shape: list[int]
-    data: bytes
-
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> TensorBlob:
-        t = t.detach().contiguous().cpu()
-        if t.dtype not in _DTYPE_NAMES:
-            raise MessageError(f"dtype {t.dtype} cannot be sent")
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return cls(_DTYPE_NAMES[t.dtype], list(t.shape), raw)
-
-    def to_tensor(self) -> torch.Tensor:
-        """Raises MessageError when dtype, shape and byte count disagree."""
-        buf = np.frombuffer(self.data, dtype=np.uint8).copy()
-        return typed_view(torch.from_numpy(buf), self.dtype, self.shape)
-
-
-def typed_view(raw: torch.Tensor, dtype: str, shape: list[int]) -> torch.Tensor:
-    """``raw`` (uint8 ``[nbytes]``, on any device) viewed as a ``dtype`` tensor of ``shape``,
-    after checking the header another process sent (``TensorBlob``'s dtype names).
-
-    Raises:
-        MessageError: an unknown dtype, a negative dimension, or a byte count that does
-            not match (or exceeds ``MAX_TENSOR_BYTES``).
-    """
-    torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
-    if torch_dtype is None or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise MessageError(f"bad tensor header: dtype={dtype!r} shape={shape}")
-    expected = math.prod(shape) * torch.tensor([], dtype=torch_dtype).element_size()
-    if expected != raw.numel() or expected > MAX_TENSOR_BYTES:
-        raise MessageError(f"tensor of shape {shape} ({dtype}) needs {expected} bytes, "
-                           f"got {raw.numel()} (limit {MAX_TENSOR_BYTES})")
-    return raw.view(torch_dtype).reshape(shape)
-
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -108,59 +34,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
         return cls(lp.token_id, lp.logprob, list(lp.top_ids), list(lp.top_logprobs))
 
 
+
 # ---- worker lifecycle -------------------------------------------------------
-class RankKV(msgspec.Struct, frozen=True):
-    """One TP rank's own NIXL agent and the memory it exposes (``--kv-agents per-rank``).
-
-    ``agent``: the agent's name (rank 0: the instance id; rank r: ``<instance>.tp<r>``);
-    ``nixl_metadata``: its ``get_agent_metadata`` bytes (b"" for rank 0, whose metadata is
-    the instance's own ``WorkerReady.nixl_metadata``); ``k_regions[l]`` / ``v_regions[l]``:
-    layer l of this rank's paged cache; ``staging_regions[l]``: layer l of this rank's
-    private staging buffer (its own KV heads only; [] when it has none).
-    """
-
-    agent: str
-    nixl_metadata: bytes
-    k_regions: list[Region]
-    v_regions: list[Region]
-    staging_regions: list[Region] = []
-
-
-class KVLayout(msgspec.Struct, frozen=True):
-    """How a worker's paged KV cache lies in memory (per TP rank).
-
-    k and v caches: [num_layers, num_blocks, block_size, num_kv_heads, head_dim];
-    ``k_regions[l]`` / ``v_regions[l]`` cover layer l's [num_blocks, ...] slab.
-    ``tp``: the instance's TP ranks (``num_kv_heads`` is per rank). A worker with a
-    staging pool (heterogeneous TP, ``epd.transfer.staging``) advertises it:
-    ``staging_regions[l]`` covers layer l of the pool, ``staging_block_bytes`` is one
-    staging block (K and V of every KV head) of one layer. With ``kv_agents`` "per-rank"
-    ``ranks[r]`` is rank r's agent and regions (rank 0's equal the fields above).
-    """
-
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    k_regions: list[Region]
-    v_regions: list[Region]
-    tp: int = 1
-    staging_regions: list[Region] = []
-    staging_block_bytes: int = 0
-    #: "rank0": one agent (rank 0's) and a staging pool shared by every rank; "per-rank":
-    #: every rank owns an agent (``ranks``), its own KV regions and its own staging buffer,
-    #: whose block then holds this rank's heads only (``staging_block_bytes`` / tp).
-    kv_agents: str = "rank0"
-    ranks: list[RankKV] = []
-
-    @property
-    def block_bytes(self) -> int:
-        elem = torch.tensor([], dtype=_KV_DTYPES[self.dtype]).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * elem
-
-
 class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
     role: str  # an epd.roles.Role value
     instance_id: str
@@ -309,31 +184,6 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
     decode_generation: int = 0  # KVReserved.generation
 
 
-class KVReady(msgspec.Struct, tag="kv_ready", frozen=True):
-    """P -> D NIXL notification: all KV of the request is in D's blocks (or, when
-    staged, in D's staging range, laid out by ``src_tp`` prefill ranks)."""
-
-    request_id: str
-    first_token: int
-    src_tp: int = 1
-    generation: int = 0  # KVReserved.generation
-
-
-class KVWriterDone(msgspec.Struct, tag="kv_writer_done", frozen=True):
-    """P -> D NIXL notification: this prefill worker will never write the reservation's
-    blocks (its send was aborted or failed, and every write of it has ended), sent
-    instead of ``KVReady``. ``generation``: ``KVReserved.generation``."""
-
-    request_id: str
-    generation: int
-
-
-class KVWriterFenced(msgspec.Struct, tag="kv_writer_fenced", frozen=True):
-    """P -> D NIXL notification, sent when the prefill worker lost its router: every send
-    it had is dropped and none of its earlier instructions will ever write again, so
-    the reservations that named it as writer before now are free on the decode side."""
-
-
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
     request_id: str
     instance_id: str
@@ -448,10 +298,6 @@ class WorkerStats(msgspec.Struct, tag="stats", frozen=True):
     stats: dict[str, float | str]
 
 
-class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
-    pass
-
-
 # ---- membership -------------------------------------------------------------------------
 class Registered(msgspec.Struct, tag="registered", frozen=True):
     """Router -> worker: its ``WorkerReady`` was accepted by the router of ``epoch`` (a
@@ -498,31 +344,8 @@ Message = (WorkerReady | Heartbeat | KVEvents | PeerInfo | EncodeRequest | Encod
            | WorkerStats | Shutdown | Registered | RegistrationRefused | RouterPing | Draining)
 
 
-def _enc_hook(obj):
-    """``torch.Tensor`` -> ``TensorBlob`` (``MessageError`` for a dtype off the allow-list)."""
-    if isinstance(obj, torch.Tensor):
-        return TensorBlob.from_tensor(obj)
-    raise TypeError(f"Encoding objects of type {type(obj).__name__} is unsupported")
-
-
-def _dec_hook(tp, obj):
-    """A ``TensorBlob`` map -> ``torch.Tensor``, checked by ``TensorBlob.to_tensor``; any
-    error becomes a ``msgspec.ValidationError`` (so ``MessageError`` from ``decode``)."""
-    if tp is torch.Tensor:
-        if not isinstance(obj, dict) or not isinstance(obj.get("data"), bytes):  # convert() would take base64 text
-            raise MessageError("a tensor must be a TensorBlob map with raw bytes")
-        blob = msgspec.convert(obj, TensorBlob)
-        try:
-            return blob.to_tensor()
-        except MessageError:
-            raise
-        except Exception as e:  # e.g. torch refusing a view: still a bad message, never a crash
-            raise MessageError(f"bad tensor {blob.dtype} {blob.shape}: {e}") from None
-    raise TypeError(f"{tp} cannot be received")
-
-
-_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_decoder = msgspec.msgpack.Decoder(Message, dec_hook=_dec_hook)
+_encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
+_decoder = msgspec.msgpack.Decoder(Message, dec_hook=dec_hook)
 
 
 def encode(msg: Message) -> bytes:
