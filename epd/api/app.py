@@ -1,12 +1,12 @@
 """The API process's app: the OpenAI HTTP routes (``epd.api.server``) with the
-``/v1/realtime`` WebSocket (``epd.api.realtime_server``, ``epd.api.realtime``) mounted on them."""
+``/v1/realtime`` WebSocket (``epd.api.realtime``) mounted on them."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
 from epd.api.completions import ApiState
-from epd.api.realtime_server import mount_realtime
+from epd.api.realtime import mount_realtime
 from epd.api.server import ApiSettings, build_http_app
 from epd.encoders.processor import MultiModalProcessor
 from epd.router.router import Router

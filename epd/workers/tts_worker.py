@@ -1,6 +1,6 @@
 """Text-to-speech worker (the ``t`` pool): one phrase of an answer in, PCM16 chunks out.
 
-The realtime API cuts a streaming answer into phrases (``epd.api.segmenter``) and sends
+The realtime API cuts a streaming answer into phrases (``epd.api.realtime.segmenter``) and sends
 each as a ``SynthesizeRequest``; this worker speaks it with its synthesizer
 (``epd.tts.load_synthesizer``: eSpeak NG by default) and streams ``AudioChunk``\\ s of
 at most ``CHUNK_BYTES`` back as they are produced, the last one ``final``. Phrases

@@ -31,9 +31,11 @@ from epd.api.completions import ApiState, CompletionService
 from epd.api.cpu_pool import CpuPool
 from epd.api.media_fetch import MediaFetcher
 from epd.api.protocol import ChatRequest, CompletionRequest
-from epd.api.realtime import RealtimeSession
-from epd.api.realtime_events import ClientError, Item, Part, ResponseState
-from epd.api.realtime_response import ConversationPrompt, Transcriber
+from epd.api.realtime.conversation import Item, Part, ResponseState
+from epd.api.realtime.prompt import ConversationPrompt
+from epd.api.realtime.protocol import ClientError
+from epd.api.realtime.session import RealtimeSession
+from epd.api.realtime.transcribe import Transcriber
 from epd.api.server import ApiSettings, build_http_app
 from epd.encoders.processor import MultiModalProcessor, ProcessedPrompt
 from epd.errors import CapacityError

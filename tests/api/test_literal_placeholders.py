@@ -23,8 +23,8 @@ from transformers import AutoConfig, AutoTokenizer
 from epd.api.chat_prompt import ChatPromptRenderer
 from epd.api.media_fetch import MediaFetcher
 from epd.api.protocol import ChatRequest
-from epd.api.realtime_events import Item, Part, ResponseState
-from epd.api.realtime_response import ConversationPrompt
+from epd.api.realtime.conversation import Item, Part, ResponseState
+from epd.api.realtime.prompt import ConversationPrompt
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
 from epd.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
 from tests.serving.media import data_url, png, wav

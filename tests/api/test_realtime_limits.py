@@ -24,7 +24,7 @@ import uvicorn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from epd.api import realtime
+from epd.api.realtime import session as realtime
 from epd.api.app import build_app
 from epd.api.server import ApiSettings
 from epd.encoders.processor import ProcessedPrompt

@@ -11,8 +11,8 @@ import base64
 import json
 from types import SimpleNamespace
 
-from epd.api import realtime
-from epd.api.realtime import RealtimeSession
+from epd.api.realtime import session as realtime
+from epd.api.realtime.session import RealtimeSession
 
 NO_TTS = SimpleNamespace(has_pool=lambda role: False)  # a router without a tts pool: sessions answer in text
 

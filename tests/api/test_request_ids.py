@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from epd.api.realtime import RealtimeSession
+from epd.api.realtime.session import RealtimeSession
 from epd.messages import EncodeDone, TokenOutput
 from epd.multimodal import MediaItem
 from epd.router.router import RequestError, Router, RouterRequest

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from epd.api.segmenter import PhraseSegmenter
+from epd.api.realtime.segmenter import PhraseSegmenter
 
 TEXT = ("The capital of France is Paris. It is known for the Eiffel Tower, the Louvre, and its cafés, which line "
         "the streets of every arrondissement. Dr. Smith said: \"Hello!\" Then 3.14 is pi.\n\n"

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
 from epd.api import completions
-from epd.api.realtime_events import ResponseCreate, SessionUpdate
+from epd.api.realtime.protocol import ResponseCreate, SessionUpdate
 from epd.api.server import ApiSettings, build_http_app
 from epd.tiny import build_tiny_tokenizer
 

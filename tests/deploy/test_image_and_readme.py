@@ -97,7 +97,7 @@ def test_readme_documents_the_tts_component():
     the option the realtime API really checks."""
     import json
 
-    from epd.api.realtime_events import check_modalities
+    from epd.api.realtime.protocol import check_modalities
     from epd.roles import Role
 
     readme = (DEPLOY / "README.md").read_text()

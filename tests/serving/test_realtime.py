@@ -22,7 +22,7 @@ import torchaudio.functional as F
 from openai import AsyncOpenAI
 
 from epd import LLM, SamplingParams
-from epd.api.realtime import MAX_APPEND_BYTES
+from epd.api.realtime.protocol import MAX_APPEND_BYTES
 from epd.tiny import AUDIO_TOKEN, create_tiny_model
 from tests.serving.conftest import launch
 

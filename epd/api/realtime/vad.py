@@ -5,7 +5,7 @@ window of 16 kHz audio with a speech probability. A turn starts at the first win
 over ``threshold`` (``speech_started``, its ``audio_start_ms`` moved back by
 ``prefix_padding_ms``) and ends once ``silence_duration_ms`` of windows under it follow
 (``speech_stopped``, ``audio_end_ms`` where the speech ended). Times are milliseconds of
-the session's input audio since it began. The session (``epd.api.realtime``) commits the
+the session's input audio since it began. The session (``epd.api.realtime.session``) commits the
 turn's audio, answers it, and cancels an answer that speech interrupts.
 
 Source: OpenAI Realtime API reference (``session.audio.input.turn_detection``,

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from epd.api.protocol import BadRequest, FunctionDefinition, Tool
-from epd.api.realtime_events import ClientError, Item, new_id
+from epd.api.realtime.conversation import Item
+from epd.api.realtime.protocol import ClientError, new_id
 from epd.api.streaming import ToolCallStream
 from epd.api.tools import ToolPlan, plan_tools
 

@@ -1,6 +1,6 @@
 """The ``/v1/realtime`` endpoint: the handshake (API key, ``Origin``, session limit) and
-what every session shares (``RealtimeAPI``). The protocol and each session are in
-``epd.api.realtime``."""
+what every session shares (``RealtimeAPI``). The protocol is described in
+``epd.api.realtime``; each session is ``epd.api.realtime.session``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from fastapi import FastAPI, WebSocket
 
 from epd.api.auth import api_key_ok
 from epd.api.completions import ApiState
-from epd.api.realtime import DEFAULT_MAX_OUTPUT_TOKENS, RealtimeSession
-from epd.api.realtime_events import new_id
-from epd.api.realtime_response import ConversationPrompt
+from epd.api.realtime.prompt import ConversationPrompt
+from epd.api.realtime.protocol import new_id
+from epd.api.realtime.session import DEFAULT_MAX_OUTPUT_TOKENS, RealtimeSession
 from epd.api.server import ApiSettings
 from epd.encoders.processor import MultiModalProcessor
 from epd.router.router import Router
