@@ -51,8 +51,6 @@ TRANSFER_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 # /metrics (epd/ops: diagnose, plan). Histograms: the family name (its samples add _bucket, _sum,
 # _count); counters: the sample name, ``_total`` included (the family is the name without it);
 # gauges: the sample name.
-#: the prefix of every epd metric name
-PREFIX = "epd_"
 TTFT = "epd_time_to_first_token_seconds"
 TPOT = "epd_time_per_output_token_seconds"
 ITL = "epd_inter_token_latency_seconds"
