@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from epd.metrics import KV_USAGE, POOL_INSTANCES, QUEUE_DEPTH, RUNNING
 from epd.roles import ROLE_NAMES, Role
 
-__all__ = ["ENGINE_POOLS", "POOL_ORDER", "HistogramWindow", "MetricsError", "Samples", "Scrape", "Window", "delta", "metrics_url",
-           "parse_metrics", "scrape"]
+__all__ = ["ENGINE_POOLS", "POOL_ORDER", "HistogramWindow", "MetricsError", "Samples", "Scrape", "Window", "delta",
+           "metrics_url", "parse_metrics", "scrape"]
 
 #: pools in report order (others follow alphabetically): the API's and the router's, then the roles
 POOL_ORDER = ("api", "router", *ROLE_NAMES)
