@@ -44,8 +44,11 @@ from _common import ROOT, load_avg, serve_epd  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from epd.diagnose import Window, metrics_url, scrape  # noqa: E402
-from epd.plan import PrefillFit, load_profile, simulate, trace_workload  # noqa: E402
+from epd.metrics import KV_TRANSFER, PREFILL, PREFILL_QUEUE, TTFT  # noqa: E402
+from epd.ops.plan.fit import PrefillFit, load_profile  # noqa: E402
+from epd.ops.plan.simulate import simulate  # noqa: E402
+from epd.ops.plan.workload import trace_workload  # noqa: E402
+from epd.ops.scrape import Window, metrics_url, scrape  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 
@@ -96,7 +99,7 @@ def calibrate(model: str, work: Path, profile: Path, rate: float, args: argparse
         # tokenizer and sends a warm-up request first), or the observed rate is too low
         t0 = time.monotonic()
         with httpx.Client(timeout=10) as client:
-            while scrape(client, metrics_url(url)).total("epd_time_to_first_token_seconds_count") < 3:
+            while scrape(client, metrics_url(url)).total(TTFT + "_count") < 3:
                 if bench.poll() is not None or time.monotonic() - t0 > 120:
                     raise RuntimeError(f"the calibration replay did not start: {bench.communicate()[1][-2000:]}")
                 time.sleep(0.2)
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--ttft-slo", str(args.ttft_slo), "--tpot-slo", str(args.itl_slo), "--out", str(bench_out),
                 "--no-plots", "--no-progress")
             window = Window(before, scrape(client, metrics_url(url)))
-        stages = {name: window.histogram(f"epd_{name}_seconds", "prefill") for name in ("prefill", "prefill_queue")}
+        stages = {name: window.histogram(family, "prefill") for name, family in (("prefill", PREFILL),
+                                                                              ("prefill_queue", PREFILL_QUEUE))}
         w = trace_workload(TRACE, args.rows, 0, args.scale, 2048, rate)
         predicted_prefill_s = float(PrefillFit(**results["profile"]["prefill"]).seconds(w.input_len).mean())
         bench_run = json.loads(bench_out.read_text())["runs"][0]
@@ -172,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         sent = [r["prompt_tokens"] for r in bench_run["records"] if r.get("prompt_tokens")]
         server = {"prefill_mean_s": stages["prefill"].mean, "prefill_queue_mean_s": stages["prefill_queue"].mean,
                   "profile_prefill_mean_s": predicted_prefill_s,
-                  "kv_transfer_mean_s": getattr(window.histogram("epd_kv_transfer_seconds", "prefill"), "mean", None),
-                  "api_ttft_mean_s": getattr(window.histogram("epd_time_to_first_token_seconds", "api"), "mean", None),
+                  "kv_transfer_mean_s": getattr(window.histogram(KV_TRANSFER, "prefill"), "mean", None),
+                  "api_ttft_mean_s": getattr(window.histogram(TTFT, "api"), "mean", None),
                   "prompt_tokens_mean": sum(sent) / len(sent) if sent else None,
                   "trace_input_tokens_mean": float(w.input_len.mean())}
         # the same pools under the profile before `epd plan correct`: the model of the earlier runs

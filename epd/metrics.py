@@ -47,6 +47,60 @@ TRANSFER_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+# ---- metric names: the one definition, used below to declare the metrics and by the readers of
+# /metrics (epd/ops: diagnose, plan). Histograms: the family name (its samples add _bucket, _sum,
+# _count); counters: the sample name, ``_total`` included (the family is the name without it);
+# gauges: the sample name.
+TTFT = "epd_time_to_first_token_seconds"
+TPOT = "epd_time_per_output_token_seconds"
+ITL = "epd_inter_token_latency_seconds"
+E2E = "epd_e2e_request_latency_seconds"
+ENCODE_QUEUE = "epd_encode_queue_seconds"
+ENCODE = "epd_encode_seconds"
+EMBEDDING_TRANSFER = "epd_embedding_transfer_seconds"
+PREFILL_QUEUE = "epd_prefill_queue_seconds"
+PREFILL = "epd_prefill_seconds"
+KV_TRANSFER = "epd_kv_transfer_seconds"
+DECODE_QUEUE = "epd_decode_queue_seconds"
+DECODE_STEP = "epd_decode_step_seconds"
+TTS_QUEUE = "epd_tts_queue_seconds"
+TTS_FIRST_AUDIO = "epd_tts_time_to_first_audio_seconds"
+TTS_SYNTHESIS = "epd_tts_synthesis_seconds"
+KV_BYTES = "epd_kv_transfer_bytes_total"
+KV_FAILURES = "epd_kv_transfer_failures_total"
+KV_RETRIES = "epd_kv_transfer_retries_total"
+#: NIXL operations posted (one per layer and rank of each transfer), not client requests
+KV_OPS = "epd_kv_transfer_requests_total"
+TTS_PHRASES = "epd_tts_phrases_total"
+TTS_CHARACTERS = "epd_tts_characters_total"
+TTS_AUDIO_SECONDS = "epd_tts_audio_seconds_total"
+PREEMPTIONS = "epd_preemptions_total"
+CANCELLED = "epd_cancelled_requests_total"
+MIGRATED = "epd_migrated_requests_total"
+REQUEST_RETRIES = "epd_request_retries_total"
+WORKER_FAILURES = "epd_worker_failures_total"
+WORKER_RESTARTS = "epd_worker_restarts_total"
+PROMPT_TOKENS = "epd_prompt_tokens_total"
+PREFIX_QUERIES = "epd_prefix_cache_queries_tokens_total"
+PREFIX_HITS = "epd_prefix_cache_hits_tokens_total"
+ENCODER_QUERIES = "epd_encoder_cache_queries_total"
+ENCODER_HITS = "epd_encoder_cache_hits_total"
+ENCODE_VIDEO_CHUNKS = "epd_encode_video_chunks_total"
+ROUTED = "epd_routing_decisions_total"
+KV_USAGE = "epd_kv_cache_usage_ratio"
+QUEUE_DEPTH = "epd_queue_depth"
+RUNNING = "epd_running_requests"
+QUEUED_PROMPT_TOKENS = "epd_queued_prompt_tokens"
+ROUTER_REQUESTS = "epd_router_requests"
+POOL_INSTANCES = "epd_pool_instances"
+
+
+def _family(counter: str) -> str:
+    """A counter's family name: its sample name without ``_total``."""
+    return counter.removesuffix("_total")
+
+
+
 @dataclass(frozen=True)
 class Metrics:
     """All epd metric objects; use ``.labels(pool=..., instance=...)`` on each.
@@ -170,63 +224,63 @@ class Metrics:
 
 # field -> (metric name, help, buckets)
 _HISTOGRAMS = {
-    "time_to_first_token": ("epd_time_to_first_token_seconds",
+    "time_to_first_token": (TTFT,
                             "Time to first token: request arrival to first output token, seconds", LATENCY_BUCKETS),
-    "time_per_output_token": ("epd_time_per_output_token_seconds",
+    "time_per_output_token": (TPOT,
                               "Time per output token of a request, (t_last - t_first) / (n_out - 1), seconds",
                               STEP_BUCKETS),
-    "inter_token_latency": ("epd_inter_token_latency_seconds",
+    "inter_token_latency": (ITL,
                             "Gap between consecutive output tokens of a request, seconds", STEP_BUCKETS),
-    "e2e_request_latency": ("epd_e2e_request_latency_seconds",
+    "e2e_request_latency": (E2E,
                             "Request arrival to last token, seconds", LATENCY_BUCKETS),
-    "encode_queue": ("epd_encode_queue_seconds", "Wait in an encode worker's queue, seconds", LATENCY_BUCKETS),
-    "encode": ("epd_encode_seconds", "Encoder forward of one encode request, seconds", LATENCY_BUCKETS),
-    "embedding_transfer": ("epd_embedding_transfer_seconds",
+    "encode_queue": (ENCODE_QUEUE, "Wait in an encode worker's queue, seconds", LATENCY_BUCKETS),
+    "encode": (ENCODE, "Encoder forward of one encode request, seconds", LATENCY_BUCKETS),
+    "embedding_transfer": (EMBEDDING_TRANSFER,
                            "Embedding transfer E -> P of one request, seconds", TRANSFER_BUCKETS),
-    "prefill_queue": ("epd_prefill_queue_seconds", "Wait in a prefill worker's queue, seconds", LATENCY_BUCKETS),
-    "prefill": ("epd_prefill_seconds", "Prefill compute of one request, seconds", LATENCY_BUCKETS),
-    "kv_transfer": ("epd_kv_transfer_seconds", "KV cache transfer P -> D of one request, seconds",
+    "prefill_queue": (PREFILL_QUEUE, "Wait in a prefill worker's queue, seconds", LATENCY_BUCKETS),
+    "prefill": (PREFILL, "Prefill compute of one request, seconds", LATENCY_BUCKETS),
+    "kv_transfer": (KV_TRANSFER, "KV cache transfer P -> D of one request, seconds",
                     TRANSFER_BUCKETS),
-    "decode_queue": ("epd_decode_queue_seconds",
+    "decode_queue": (DECODE_QUEUE,
                      "KV ready on a decode worker to joining its running batch, seconds", LATENCY_BUCKETS),
-    "decode_step": ("epd_decode_step_seconds", "One decode engine step, seconds", STEP_BUCKETS),
-    "tts_queue": ("epd_tts_queue_seconds", "Wait of a phrase in a TTS worker's queue, seconds", LATENCY_BUCKETS),
-    "tts_first_audio": ("epd_tts_time_to_first_audio_seconds",
+    "decode_step": (DECODE_STEP, "One decode engine step, seconds", STEP_BUCKETS),
+    "tts_queue": (TTS_QUEUE, "Wait of a phrase in a TTS worker's queue, seconds", LATENCY_BUCKETS),
+    "tts_first_audio": (TTS_FIRST_AUDIO,
                         "A phrase received by a TTS worker to its first audio chunk, seconds", LATENCY_BUCKETS),
-    "tts_synthesis": ("epd_tts_synthesis_seconds", "Synthesis of one phrase, seconds", LATENCY_BUCKETS),
+    "tts_synthesis": (TTS_SYNTHESIS, "Synthesis of one phrase, seconds", LATENCY_BUCKETS),
 }
 # field -> (metric name without _total, help); exposed as <name>_total
 _COUNTERS = {
-    "kv_transfer_bytes": ("epd_kv_transfer_bytes", "KV cache bytes transferred P -> D"),
-    "kv_transfer_failures": ("epd_kv_transfer_failures", "KV transfers that failed or timed out"),
-    "kv_transfer_retries": ("epd_kv_transfer_retries", "KV transfers retried"),
-    "kv_transfer_requests": ("epd_kv_transfer_requests", "NIXL READ/WRITE operations posted, one per layer (and "
+    "kv_transfer_bytes": (_family(KV_BYTES), "KV cache bytes transferred P -> D"),
+    "kv_transfer_failures": (_family(KV_FAILURES), "KV transfers that failed or timed out"),
+    "kv_transfer_retries": (_family(KV_RETRIES), "KV transfers retried"),
+    "kv_transfer_requests": (_family(KV_OPS), "NIXL READ/WRITE operations posted, one per layer (and "
                              "TP rank with per-rank agents) of each KV transfer: not client requests"),
-    "tts_phrases": ("epd_tts_phrases", "Phrases spoken by a TTS worker"),
-    "tts_characters": ("epd_tts_characters", "Characters of the phrases a TTS worker spoke"),
-    "tts_audio_seconds": ("epd_tts_audio_seconds", "Seconds of audio a TTS worker synthesized"),
-    "preemptions": ("epd_preemptions", "Sequences preempted"),
-    "cancelled_requests": ("epd_cancelled_requests", "Requests cancelled"),
-    "migrated_requests": ("epd_migrated_requests", "Requests migrated to another decode worker"),
-    "request_retries": ("epd_request_retries",
+    "tts_phrases": (_family(TTS_PHRASES), "Phrases spoken by a TTS worker"),
+    "tts_characters": (_family(TTS_CHARACTERS), "Characters of the phrases a TTS worker spoke"),
+    "tts_audio_seconds": (_family(TTS_AUDIO_SECONDS), "Seconds of audio a TTS worker synthesized"),
+    "preemptions": (_family(PREEMPTIONS), "Sequences preempted"),
+    "cancelled_requests": (_family(CANCELLED), "Requests cancelled"),
+    "migrated_requests": (_family(MIGRATED), "Requests migrated to another decode worker"),
+    "request_retries": (_family(REQUEST_RETRIES),
                         "Requests restarted on another instance after a worker of this pool died, hung or failed"),
-    "worker_failures": ("epd_worker_failures", "Worker processes of this pool found dead or unresponsive"),
-    "worker_restarts": ("epd_worker_restarts", "Worker processes of this pool restarted by the launcher"),
-    "prompt_tokens": ("epd_prompt_tokens", "Prompt tokens prefilled, cached ones included (counted as each "
+    "worker_failures": (_family(WORKER_FAILURES), "Worker processes of this pool found dead or unresponsive"),
+    "worker_restarts": (_family(WORKER_RESTARTS), "Worker processes of this pool restarted by the launcher"),
+    "prompt_tokens": (_family(PROMPT_TOKENS), "Prompt tokens prefilled, cached ones included (counted as each "
                       "prefill ends)"),
-    "prefix_cache_queries_tokens": ("epd_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache"),
-    "prefix_cache_hits_tokens": ("epd_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache"),
-    "encoder_cache_queries": ("epd_encoder_cache_queries", "Multimodal items looked up in the encoder cache"),
-    "encoder_cache_hits": ("epd_encoder_cache_hits", "Multimodal items found in the encoder cache"),
-    "encode_video_chunks": ("epd_encode_video_chunks", "Chunks of temporal patches of a video an encode worker was "
+    "prefix_cache_queries_tokens": (_family(PREFIX_QUERIES), "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits_tokens": (_family(PREFIX_HITS), "Prompt tokens found in the prefix cache"),
+    "encoder_cache_queries": (_family(ENCODER_QUERIES), "Multimodal items looked up in the encoder cache"),
+    "encoder_cache_hits": (_family(ENCODER_HITS), "Multimodal items found in the encoder cache"),
+    "encode_video_chunks": (_family(ENCODE_VIDEO_CHUNKS), "Chunks of temporal patches of a video an encode worker was "
                             "sent (a video split across encoders)"),
 }
 # field -> (metric name, help, multiprocess_mode); see Metrics for the choice of mode
 _GAUGES = {
-    "kv_cache_usage_ratio": ("epd_kv_cache_usage_ratio", "Used / total KV cache blocks, 0..1", "livemax"),
-    "queue_depth": ("epd_queue_depth", "Requests waiting in the queue", "livemax"),
-    "running_requests": ("epd_running_requests", "Requests in the running batch", "livemax"),
-    "queued_prompt_tokens": ("epd_queued_prompt_tokens", "Prompt tokens waiting to be prefilled (queued or "
+    "kv_cache_usage_ratio": (KV_USAGE, "Used / total KV cache blocks, 0..1", "livemax"),
+    "queue_depth": (QUEUE_DEPTH, "Requests waiting in the queue", "livemax"),
+    "running_requests": (RUNNING, "Requests in the running batch", "livemax"),
+    "queued_prompt_tokens": (QUEUED_PROMPT_TOKENS, "Prompt tokens waiting to be prefilled (queued or "
                              "partly prefilled requests)", "livemax"),
 }
 
@@ -316,13 +370,13 @@ def get_metrics() -> Metrics:
             objs[field] = Histogram(name, doc, LABELS, buckets=buckets, registry=_registry)
         for field, (name, doc) in _COUNTERS.items():
             objs[field] = Counter(name, doc, LABELS, registry=_registry)
-        objs["routing_decisions"] = Counter("epd_routing_decisions", "Requests routed to an instance, by policy",
+        objs["routing_decisions"] = Counter(_family(ROUTED), "Requests routed to an instance, by policy",
                                             (*LABELS, "policy"), registry=_registry)
         for field, (name, doc, mode) in _GAUGES.items():
             objs[field] = Gauge(name, doc, LABELS, multiprocess_mode=mode, registry=_registry)
-        objs["router_requests"] = Gauge("epd_router_requests", "Requests open in the router, by state",
+        objs["router_requests"] = Gauge(ROUTER_REQUESTS, "Requests open in the router, by state",
                                         (*LABELS, "state"), multiprocess_mode="livesum", registry=_registry)
-        objs["pool_instances"] = Gauge("epd_pool_instances", "Instances per pool seen by the router, by state",
+        objs["pool_instances"] = Gauge(POOL_INSTANCES, "Instances per pool seen by the router, by state",
                                        ("pool", "state"), multiprocess_mode="livemax", registry=_registry)
         _metrics_dir = multiprocess_dir()
         _metrics = Metrics(**objs)

@@ -18,8 +18,10 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from epd import diagnose as dg
 from epd import metrics as em
+from epd.ops import diagnose as dg
+from epd.ops.diagnose import thresholds
+from epd.ops.scrape import ENGINE_POOLS
 
 WINDOW_S = 10.0
 
@@ -54,9 +56,9 @@ class FakeEpd:
         """Deploy pools: the router's live-instance gauge and idle engine gauges per instance."""
         for pool, n in counts.items():
             self.g["epd_pool_instances"].labels(pool=pool, state="live").set(n)
-            if pool in dg.ENGINE_POOLS:
+            if pool in ENGINE_POOLS:
                 for i in range(n):
-                    for g in (dg.KV_USAGE, dg.QUEUE_DEPTH, dg.RUNNING):
+                    for g in (em.KV_USAGE, em.QUEUE_DEPTH, em.RUNNING):
                         self.set(g, pool, 0.0, instance=f"{pool}-{i}")
 
     def text(self) -> str:
@@ -87,10 +89,10 @@ def _status(w: dg.Window, cid: str, pool: str | None = "any", settings: dg.Setti
 def _requests(f: FakeEpd, n: int, ttft: float = 0.2, tpot: float = 0.02, e2e: float = 1.0, itl=None,
               tokens: int = 20) -> None:
     """``n`` requests seen by the API: TTFT, TPOT, e2e each, and ``tokens - 1`` ITL gaps."""
-    f.observe(dg.TTFT, "api", [ttft] * n)
-    f.observe(dg.TPOT, "api", [tpot] * n)
-    f.observe(dg.E2E, "api", [e2e] * n)
-    f.observe(dg.ITL, "api", itl if itl is not None else [tpot] * (n * (tokens - 1)))
+    f.observe(em.TTFT, "api", [ttft] * n)
+    f.observe(em.TPOT, "api", [tpot] * n)
+    f.observe(em.E2E, "api", [e2e] * n)
+    f.observe(em.ITL, "api", itl if itl is not None else [tpot] * (n * (tokens - 1)))
 
 
 # ---- histograms, counters, parsing -------------------------------------------------------------------
@@ -117,17 +119,17 @@ def test_quantiles_interpolate_inside_buckets_and_sum_instances():
     empty = dg.parse_metrics("# TYPE epd_x gauge\nepd_x 1\n", 0.0)
     w = dg.Window(empty, dg.parse_metrics(SAVED, 10.0))
     one = dg.Window(empty, dg.parse_metrics(SAVED.split("epd_prefill_seconds_bucket{instance=\"prefill-1\"")[0], 10.0))
-    h = one.histogram(dg.PREFILL, "prefill")
+    h = one.histogram(em.PREFILL, "prefill")
     assert h.count == 100 and h.sum == 12.5 and h.mean == 0.125
     assert h.quantile(0.5) == pytest.approx(0.1)
     assert h.quantile(0.25) == pytest.approx(0.05)  # first bucket: from 0
     assert h.quantile(0.75) == pytest.approx(0.15)
     assert h.fraction_le(0.15) == pytest.approx(0.75) and h.fraction_le(5.0) == 1.0
-    both = w.histogram(dg.PREFILL, "prefill")  # the two instances summed
+    both = w.histogram(em.PREFILL, "prefill")  # the two instances summed
     assert both.count == 200 and both.cumulative == (50.0, 100.0, 200.0)
     assert both.quantile(0.99) == 0.2  # in the +Inf bucket: the largest finite bound
     assert both.fraction_le(0.2) == pytest.approx(0.5)
-    assert w.histogram(dg.DECODE_STEP, "decode") is None
+    assert w.histogram(em.DECODE_STEP, "decode") is None
     assert math.isnan(dg.HistogramWindow((0.1, math.inf), (0.0, 0.0), 0.0, 0.0).quantile(0.5))
 
 
@@ -137,9 +139,9 @@ def test_counter_deltas_new_series_and_resets():
         'epd_preemptions_total{instance="decode-1",pool="decode"} 3.0\n'
     w = dg.Window(start, dg.parse_metrics(reset, 10.0))
     # decode-0 went 5 -> 2: restarted, counts 2; decode-1 is new since the start: counts 3
-    assert w.counter(dg.PREEMPTIONS, pool="decode") == 5.0
-    assert w.counter(dg.PREEMPTIONS, pool="pd") == 0.0
-    assert w.histogram(dg.PREFILL, "prefill").count == 0  # nothing new in the window
+    assert w.counter(em.PREEMPTIONS, pool="decode") == 5.0
+    assert w.counter(em.PREEMPTIONS, pool="pd") == 0.0
+    assert w.histogram(em.PREFILL, "prefill").count == 0  # nothing new in the window
     assert w.pools() == ["prefill", "decode"]
 
 
@@ -154,7 +156,7 @@ def test_every_metric_diagnose_reads_is_declared_by_epd_metrics():
     declared = {n for n, _, _ in em._HISTOGRAMS.values()} | {n + "_total" for n, _ in em._COUNTERS.values()} | {
         n for n, _, _ in em._GAUGES.values()} | {"epd_routing_decisions_total", "epd_router_requests",
                                                   "epd_pool_instances"}
-    used = {v for k, v in vars(dg).items() if k.isupper() and isinstance(v, str) and v.startswith("epd_")}
+    used = {v for k, v in vars(em).items() if k.isupper() and isinstance(v, str) and v.startswith("epd_")}
     used |= set(dg.STAGES.values())
     assert used and used <= declared, sorted(used - declared)
 
@@ -199,7 +201,7 @@ def test_nixl_operations_are_reported_per_transfer_not_as_requests():
 
     def traffic(f: FakeEpd) -> None:
         _prefill_traffic(0.01)(f)  # 20 transfers
-        f.inc(dg.KV_OPS, "prefill", 20 * layers)
+        f.inc(em.KV_OPS, "prefill", 20 * layers)
     w = _window(FakeEpd(), traffic)
     check = next(c for c in dg.evaluate(w) if c.id == "kv_transfer_slow")
     assert check.evidence["nixl_ops_per_transfer"] == layers
@@ -223,9 +225,9 @@ def test_prefix_cache_counts_are_reported_as_tokens():
 def _pd_streams(long_prompts: bool):
     def scenario(f: FakeEpd) -> None:
         f.pools(pd=1)
-        f.inc(dg.ROUTED, "pd", 30, policy="kv")
+        f.inc(em.ROUTED, "pd", 30, policy="kv")
         steps = [0.01] * 300 + ([0.6] * 10 if long_prompts else [0.012] * 10)
-        f.observe(dg.DECODE_STEP, "pd", steps)
+        f.observe(em.DECODE_STEP, "pd", steps)
         _requests(f, 30, itl=steps)
     return scenario
 
@@ -236,7 +238,7 @@ def test_prefill_steals_decode():
 
     def spikes_not_from_steps(f: FakeEpd) -> None:  # streams stall, but every engine step is short
         _pd_streams(False)(f)
-        f.observe(dg.ITL, "api", [0.6] * 10)
+        f.observe(em.ITL, "api", [0.6] * 10)
     assert _status(_window(FakeEpd(), spikes_not_from_steps), "prefill_steals_decode") == "ok"
     assert _status(_window(FakeEpd(), _prefill_traffic(0.01)), "prefill_steals_decode") == "not_applicable"
 
@@ -245,16 +247,16 @@ def _prefill_traffic(queue_s: float, n: int = 20, kv_s: float = 0.02,
                      prefill_s: float = 0.1, p: int = 1, d: int = 1, decode_step_s: float = 0.01):
     def scenario(f: FakeEpd) -> None:
         f.pools(prefill=p, decode=d)
-        f.inc(dg.ROUTED, "prefill", n, policy="kv")
-        f.inc(dg.ROUTED, "decode", n, policy="free-kv")
-        f.inc(dg.PREFIX_QUERIES, "prefill", 200 * n)
-        f.inc(dg.PREFIX_HITS, "prefill", 150 * n)
-        f.inc(dg.KV_BYTES, "prefill", 2**20 * n)
-        f.observe(dg.PREFILL_QUEUE, "prefill", [queue_s] * n)
-        f.observe(dg.PREFILL, "prefill", [prefill_s] * n)
-        f.observe(dg.KV_TRANSFER, "prefill", [kv_s] * n)
-        f.observe(dg.DECODE_QUEUE, "decode", [0.005] * n)
-        f.observe(dg.DECODE_STEP, "decode", [decode_step_s] * (19 * n))
+        f.inc(em.ROUTED, "prefill", n, policy="kv")
+        f.inc(em.ROUTED, "decode", n, policy="free-kv")
+        f.inc(em.PREFIX_QUERIES, "prefill", 200 * n)
+        f.inc(em.PREFIX_HITS, "prefill", 150 * n)
+        f.inc(em.KV_BYTES, "prefill", 2**20 * n)
+        f.observe(em.PREFILL_QUEUE, "prefill", [queue_s] * n)
+        f.observe(em.PREFILL, "prefill", [prefill_s] * n)
+        f.observe(em.KV_TRANSFER, "prefill", [kv_s] * n)
+        f.observe(em.DECODE_QUEUE, "decode", [0.005] * n)
+        f.observe(em.DECODE_STEP, "decode", [decode_step_s] * (19 * n))
         _requests(f, n, ttft=queue_s + prefill_s + kv_s + 0.01, tpot=decode_step_s)
     return scenario
 
@@ -273,17 +275,17 @@ def test_prefill_queue_dominates_ttft_and_prefill_budget_small():
     for healthy in (_prefill_traffic(queue_s=0.01), _prefill_traffic(queue_s=0.15, prefill_s=0.01)):
         w = _window(FakeEpd(), healthy)  # a short queue, or a long one that is still under 0.2 s
         assert _status(w, "prefill_queue_dominates_ttft") == "ok" and _status(w, "prefill_budget_small") == "ok"
-    few = _window(FakeEpd(), _prefill_traffic(queue_s=0.9, n=dg.MIN_REQUESTS - 1))
+    few = _window(FakeEpd(), _prefill_traffic(queue_s=0.9, n=thresholds.MIN_REQUESTS - 1))
     assert _status(few, "prefill_queue_dominates_ttft") == "not_evaluated"
 
 
 def _decode_traffic(itl_spikes: bool, step_spikes: bool, ttft: float = 0.2, kv_max: float = 0.3):
     def scenario(f: FakeEpd) -> None:
         _prefill_traffic(queue_s=0.01)(f)
-        f.observe(dg.ITL, "api", [0.01] * 300 + ([0.5] * 10 if itl_spikes else []))
-        f.observe(dg.DECODE_STEP, "decode", [0.5] * 10 if step_spikes else [])
-        f.observe(dg.TTFT, "api", [ttft] * 100)
-        f.set(dg.KV_USAGE, "decode", kv_max)
+        f.observe(em.ITL, "api", [0.01] * 300 + ([0.5] * 10 if itl_spikes else []))
+        f.observe(em.DECODE_STEP, "decode", [0.5] * 10 if step_spikes else [])
+        f.observe(em.TTFT, "api", [ttft] * 100)
+        f.set(em.KV_USAGE, "decode", kv_max)
     return scenario
 
 
@@ -306,43 +308,43 @@ def test_kv_transfer_slow():
 
     def failing(f: FakeEpd) -> None:
         _prefill_traffic(0.01)(f)
-        f.inc(dg.KV_FAILURES, "prefill", 1)
+        f.inc(em.KV_FAILURES, "prefill", 1)
     assert _status(_window(FakeEpd(), failing), "kv_transfer_slow") == "symptom"
 
 
 def test_decode_kv_short():
     def preempting(f: FakeEpd) -> None:
         _prefill_traffic(0.01)(f)
-        f.inc(dg.PREEMPTIONS, "decode", 4)
+        f.inc(em.PREEMPTIONS, "decode", 4)
     assert _status(_window(FakeEpd(), preempting), "decode_kv_short", "decode") == "symptom"
 
     def queueing(f: FakeEpd) -> None:
         _prefill_traffic(0.01)(f)
-        f.observe(dg.DECODE_QUEUE, "decode", [1.5] * 20)
+        f.observe(em.DECODE_QUEUE, "decode", [1.5] * 20)
     assert _status(_window(FakeEpd(), queueing), "decode_kv_short", "decode") == "symptom"
 
     def full_and_waiting(f: FakeEpd) -> None:
         _prefill_traffic(0.01)(f)
-        f.set(dg.KV_USAGE, "decode", 0.97)
-        f.set(dg.QUEUE_DEPTH, "decode", 3)
+        f.set(em.KV_USAGE, "decode", 0.97)
+        f.set(em.QUEUE_DEPTH, "decode", 3)
     assert _status(_window(FakeEpd(), full_and_waiting), "decode_kv_short", "decode") == "symptom"
 
     def one_preemption(f: FakeEpd) -> None:  # a single preemption in the window is not "many"
         _prefill_traffic(0.01)(f)
-        f.inc(dg.PREEMPTIONS, "decode", 1)
-        f.set(dg.KV_USAGE, "decode", 0.97)  # full, but nobody waits
+        f.inc(em.PREEMPTIONS, "decode", 1)
+        f.set(em.KV_USAGE, "decode", 0.97)  # full, but nobody waits
     assert _status(_window(FakeEpd(), one_preemption), "decode_kv_short", "decode") == "ok"
 
     def pd_preempting(f: FakeEpd) -> None:
         _pd_streams(False)(f)
-        f.inc(dg.PREEMPTIONS, "pd", 6)
+        f.inc(em.PREEMPTIONS, "pd", 6)
     assert _status(_window(FakeEpd(), pd_preempting), "decode_kv_short", "pd") == "symptom"
 
 
 def test_goodput_low():
     def slow(f: FakeEpd) -> None:
         _prefill_traffic(0.01)(f)
-        f.observe(dg.TTFT, "api", [3.0] * 60)  # 60 of 80 requests over the 2 s TTFT SLO
+        f.observe(em.TTFT, "api", [3.0] * 60)  # 60 of 80 requests over the 2 s TTFT SLO
     w = _window(FakeEpd(), slow)
     assert _status(w, "goodput_low") == "symptom"
     check = next(c for c in dg.evaluate(w) if c.id == "goodput_low")
@@ -355,9 +357,9 @@ def test_prefix_cache_miss():
     def traffic(hits: int, queries: int, policy: str = "kv", p: int = 1):
         def scenario(f: FakeEpd) -> None:
             f.pools(prefill=p, decode=1)
-            f.inc(dg.ROUTED, "prefill", 40, policy=policy)
-            f.inc(dg.PREFIX_QUERIES, "prefill", queries)
-            f.inc(dg.PREFIX_HITS, "prefill", hits)
+            f.inc(em.ROUTED, "prefill", 40, policy=policy)
+            f.inc(em.PREFIX_QUERIES, "prefill", queries)
+            f.inc(em.PREFIX_HITS, "prefill", hits)
         return scenario
 
     assert _status(_window(FakeEpd(), traffic(100, 8000)), "prefix_cache_miss", "prefill") == "symptom"
@@ -382,7 +384,7 @@ def test_pool_ratio_mismatch():
     # decode preempting while prefill idles
     def decode_short(f: FakeEpd) -> None:
         _prefill_traffic(queue_s=0.01, prefill_s=0.01, p=3, d=1, decode_step_s=0.4)(f)
-        f.inc(dg.PREEMPTIONS, "decode", 8)
+        f.inc(em.PREEMPTIONS, "decode", 8)
     check = next(c for c in dg.evaluate(_window(FakeEpd(), decode_short)) if c.id == "pool_ratio_mismatch")
     assert check.status == "symptom" and check.evidence["suggested_pools"] == "p:1,d:3"
     assert _status(_window(FakeEpd(), _prefill_traffic(queue_s=0.01)), "pool_ratio_mismatch") == "ok"
@@ -392,10 +394,10 @@ def test_pool_ratio_mismatch():
 def _cancelled(kv_end: float, running_end: float = 0.0, open_end: float = 0.0):
     def scenario(f: FakeEpd) -> None:
         _prefill_traffic(0.01)(f)
-        f.inc(dg.CANCELLED, "api", 5)
-        f.set(dg.KV_USAGE, "decode", kv_end)
-        f.set(dg.RUNNING, "decode", running_end)
-        f.g[dg.ROUTER_REQUESTS].labels(pool="router", instance="router", state="decode").set(open_end)
+        f.inc(em.CANCELLED, "api", 5)
+        f.set(em.KV_USAGE, "decode", kv_end)
+        f.set(em.RUNNING, "decode", running_end)
+        f.g[em.ROUTER_REQUESTS].labels(pool="router", instance="router", state="decode").set(open_end)
     return scenario
 
 

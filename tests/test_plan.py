@@ -1,4 +1,4 @@
-"""epd.plan without a server: the fits, the simulation on synthetic profiles, the search,
+"""epd.ops.plan without a server: the fits, the simulation on synthetic profiles, the search,
 the connectors and the command line's errors."""
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 from epd.cli import main
-from epd.plan import (DecodeFit, PlanError, PrefillFit, Profile, apply, extrapolation_warnings, fit_decode,
-                      fit_prefill, kubectl_commands, load_profile, recommend, simulate_decode, simulate_prefill,
-                      synthetic_workload, trace_workload)
+from epd.ops.plan.apply import apply, kubectl_commands
+from epd.ops.plan.errors import PlanError
+from epd.ops.plan.fit import DecodeFit, PrefillFit, Profile, fit_decode, fit_prefill, load_profile
+from epd.ops.plan.recommend import extrapolation_warnings, recommend
+from epd.ops.plan.simulate import simulate_decode, simulate_prefill
+from epd.ops.plan.workload import synthetic_workload, trace_workload
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -212,7 +215,7 @@ def test_prefill_queue_is_fifo_with_exact_waits():
 
 
 def trace_like(arrivals, isl, osl):
-    from epd.plan import Workload
+    from epd.ops.plan.workload import Workload
 
     return Workload(np.asarray(arrivals, dtype=float), np.asarray(isl), np.asarray(osl), "test")
 
@@ -221,7 +224,7 @@ INTERFERENCE = [[0, 1.0, 0.02], [2, 3.0, 0.06]]  # 2 decode streams: prefill x3,
 
 
 def test_interference_table_interpolates_and_holds_past_its_ends():
-    from epd.plan import Interference
+    from epd.ops.plan.fit import Interference
 
     inter = Interference(INTERFERENCE, 0.01)
     slow, over = inter.at(np.array([0, 1, 2, 5]))
@@ -232,7 +235,7 @@ def test_interference_table_interpolates_and_holds_past_its_ends():
 
 
 def test_fit_interference_recovers_the_slowdown_and_overhead():
-    from epd.plan import fit_interference
+    from epd.ops.plan.fit import fit_interference
 
     n = [64, 256, 1024]
     pts = [[x, PREFILL.seconds(x), PREFILL.seconds(x) + 0.02, 0] for x in n]
@@ -245,7 +248,7 @@ def test_fit_interference_recovers_the_slowdown_and_overhead():
 
 
 def test_simulation_slows_a_prefill_by_the_decode_streams_running_at_its_start():
-    from epd.plan import simulate
+    from epd.ops.plan.simulate import simulate
 
     # A (at 0) decodes 2000 tokens at 12 ms+ a token (until ~24 s); B (at 1 s) and C (at 2 s)
     # start their prefill while A and then A+B stream; D at 100 s finds no stream
@@ -273,7 +276,7 @@ def test_interference_can_need_more_prefill_instances():
 
 
 def test_pools_text_is_launch_syntax_without_the_router():
-    from epd.plan import pools_text
+    from epd.ops.plan.recommend import pools_text
 
     assert pools_text({"router": 0, "prefill": 1, "decode": 2, "api": 1}) == "p:1,d:2"
     assert pools_text({"pd": 2, "encode": 1}) == "e:1,pd:2"
@@ -298,7 +301,7 @@ DECODE_INTERFERENCE = [[0.0, 1.0], [1.0, 3.0]]  # prefill pool busy all the time
 
 
 def test_decode_interference_table_interpolates_and_holds_past_its_ends():
-    from epd.plan import DecodeInterference
+    from epd.ops.plan.fit import DecodeInterference
 
     table = DecodeInterference([[1.0, 3.0], [0.0, 1.0]])  # sorted on load
     assert [table.at(u) for u in (-1.0, 0.0, 0.25, 0.5, 1.0, 2.0)] == pytest.approx([1, 1, 1.5, 2, 3, 3])
@@ -307,7 +310,7 @@ def test_decode_interference_table_interpolates_and_holds_past_its_ends():
 
 
 def test_fit_decode_interference_recovers_the_slowdown_at_the_measured_busy_fraction():
-    from epd.plan import fit_decode_interference
+    from epd.ops.plan.fit import fit_decode_interference
 
     pts = [[0, 0.04, 3.5, 80, DECODE.seconds(3.5, 80)], [0, 0.06, 3.5, 80, DECODE.seconds(3.5, 80)],
            [1, 0.9, 2.5, 80, 2.0 * DECODE.seconds(2.5, 80)], [1, 0.95, 3.0, 80, 2.2 * DECODE.seconds(3.0, 80)]]
@@ -327,7 +330,7 @@ def _with_decode_table(table=DECODE_INTERFERENCE, **kw) -> Profile:
 
 
 def test_decode_steps_that_start_during_a_prefill_are_slowed_and_the_others_are_not():
-    from epd.plan import simulate
+    from epd.ops.plan.simulate import simulate
 
     # A (at 0) decodes 300 tokens at 12 ms a step (until ~3.7 s); B's prefill (at 1 s, 512 tokens,
     # 107 ms) overlaps A's steps from 1.0 to 1.107 s
@@ -345,7 +348,7 @@ def test_decode_steps_that_start_during_a_prefill_are_slowed_and_the_others_are_
 
 
 def test_decode_under_prefill_raises_p90_itl_where_prefills_overlap_decode():
-    from epd.plan import simulate
+    from epd.ops.plan.simulate import simulate
 
     w = synthetic_workload(512, 64, rate=6.0, n=300)  # prefill busy ~65% of the time
     ttft0, gaps0 = simulate(profile(), w, 1, 1)
@@ -363,7 +366,7 @@ def test_decode_under_prefill_raises_p90_itl_where_prefills_overlap_decode():
 
 
 def test_both_tables_together_converge_and_slow_both():
-    from epd.plan import SIM_ROUNDS, simulate
+    from epd.ops.plan.simulate import SIM_ROUNDS, simulate
 
     w = synthetic_workload(512, 64, rate=6.0, n=300)
     pre = Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
@@ -379,7 +382,7 @@ def test_both_tables_together_converge_and_slow_both():
 
 
 def test_a_profile_without_the_decode_table_loads_and_predicts_as_before(tmp_path):
-    from epd.plan import simulate
+    from epd.ops.plan.simulate import simulate
 
     p = _with_decode_table(decode_under_prefill=[0.0, 0.5, 1.0], decode_under_prefill_tokens=512,
                            decode_under_prefill_points=[[0, 0.05, 4, 96, 0.02], [1, 0.9, 3, 96, 0.05]])
@@ -401,7 +404,7 @@ def test_a_profile_without_the_decode_table_loads_and_predicts_as_before(tmp_pat
 
 
 def test_the_decode_table_is_read_at_the_simulated_prefill_pools_utilization():
-    from epd.plan import prefill_busy_over_time, simulate
+    from epd.ops.plan.simulate import prefill_busy_over_time, simulate
 
     busy = prefill_busy_over_time(np.array([0.0, 0.5]), np.array([1.0, 2.0]), 2)
     assert [busy(t) for t in (-1.0, 0.0, 0.7, 1.0, 1.5, 2.0)] == [0, 0.5, 1.0, 0.5, 0.5, 0]
@@ -416,7 +419,8 @@ def _observed(prof: Profile, w, prefill_x: float, decode_x: float):
     """What a server `prof` describes up to the factors would show for the load ``w``."""
     import dataclasses
 
-    from epd.plan import Observation, simulate
+    from epd.ops.plan.correct import Observation
+    from epd.ops.plan.simulate import simulate
 
     ttft, gaps = simulate(dataclasses.replace(prof, prefill_correction=prefill_x, decode_correction=decode_x), w, 1, 1)
     return Observation(requests=len(ttft), rate=6.0, isl_mean=float(w.input_len.mean()),
@@ -431,7 +435,8 @@ def test_fit_corrections_recovers_the_factors_a_server_runs_slower_by(tables):
     instance is 39 % busy at the profile's speed and 70 % at 1.8x, so the queue grows faster
     than the factor), not the ratio of the mean TTFTs. With both interference tables they
     interact and are still recovered."""
-    from epd.plan import fit_corrections, simulate
+    from epd.ops.plan.correct import fit_corrections
+    from epd.ops.plan.simulate import simulate
 
     prof = Profile(model="tiny", pools={"prefill": 1, "decode": 1}, prefill=PREFILL, decode=DECODE,
                    **({"interference": [[0, 1.0, 0.02], [4, 1.5, 0.02]], "decode_interference": DECODE_INTERFERENCE}
@@ -447,7 +452,7 @@ def test_fit_corrections_recovers_the_factors_a_server_runs_slower_by(tables):
 def test_a_corrected_profile_round_trips_and_recommend_predicts_with_it(tmp_path):
     import dataclasses
 
-    from epd.plan import Observation
+    from epd.ops.plan.correct import Observation
 
     obs = Observation(requests=40, rate=4.0, isl_mean=300.0, osl_mean=40.0, ttft_s=0.2, itl_s=0.02, prefill=1,
                       decode=1, window_s=10.0)

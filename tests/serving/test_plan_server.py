@@ -94,7 +94,10 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
 
     from tests.serving.test_kv_routing import _counter
 
-    from epd.plan import DecodeFit, Observation, PrefillFit, Profile, load_profile, simulate, synthetic_workload
+    from epd.ops.plan.correct import Observation
+    from epd.ops.plan.fit import DecodeFit, PrefillFit, Profile, load_profile
+    from epd.ops.plan.simulate import simulate
+    from epd.ops.plan.workload import synthetic_workload
     from tests.serving.test_diagnose_server import Load, stream_model, tokens
 
     claimed = Profile(model="", pools={"prefill": 1, "decode": 1}, prefill=PrefillFit(2e-3, 2e-5, 0.0, 2e-3),
