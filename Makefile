@@ -8,7 +8,7 @@ PORT ?= 8000
 ARGS ?=
 STAMP := $(VENV)/.epd-installed
 
-.PHONY: run generate test install clean-venv gpu-check
+.PHONY: run generate test lint install clean-venv gpu-check
 
 install: $(STAMP)
 
@@ -33,7 +33,12 @@ generate: $(STAMP)
 	$(VENV)/bin/epd generate --prompt "$(PROMPT)" --max-tokens 64 --temperature 0
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff alone (its rules: pyproject.toml [tool.ruff]); `make test` runs it first
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # The one prepared device check (tests/gpu/check.py): on a CUDA machine, with its preinstalled
 # torch/triton/transformers (no venv needed); GPU_CHECK_ARGS=--dry-run runs it on the CPU.
