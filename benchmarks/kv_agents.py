@@ -44,7 +44,7 @@ def build_model(out: Path) -> Path:
     """A random Llama (see the module docstring) with epd's tiny tokenizer, in ``out``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     if (out / "config.json").exists():
         return out

@@ -513,7 +513,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     model_dir = resolve_model(None)
     geo = Geometry(model_dir, args.block_size, args.num_kv_blocks)

@@ -194,7 +194,7 @@ def test_launch_refuses_a_staging_pool_smaller_than_one_block(tmp_path, monkeypa
     holds a few blocks warns that max_model_len is lowered. No worker is started either way."""
     import epd.api.serve
     from epd.cli import main
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     calls = []
     monkeypatch.setattr(epd.api.serve, "serve", lambda *a, **k: calls.append(k["worker_args"]))

@@ -103,7 +103,7 @@ async def serve(config: LaunchConfig, model_dir: Path, t0: float, *, plan=None, 
     from epd.cluster_auth import load_keys
     from epd.encoders.media import MediaLimits
     from epd.encoders.processor import MultiModalProcessor
-    from epd.model_files import model_fingerprint
+    from epd.models.checkpoints import model_fingerprint
     from epd.router.router import Router
 
     metrics.setup_multiprocess_dir()

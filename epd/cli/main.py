@@ -164,7 +164,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from epd.launch_spec import build_launch_plan
     from epd.launcher import check_port_free
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     t0 = time.monotonic()
     config = LaunchConfig.from_args(args)  # validates --pools and --tp
@@ -220,7 +220,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from epd.cluster_auth import load_keys, require_keys
     from epd.launch_spec import parse_pools
     from epd.launcher import check_port_free
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     t0 = time.monotonic()
     config = LaunchConfig.from_args(args)
@@ -244,7 +244,7 @@ def cmd_keys_generate(args: argparse.Namespace) -> int:
 def cmd_create_tiny(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     out = Path(args.dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
@@ -552,7 +552,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from epd.cluster_auth import ClusterKeysError
     from epd.config import ConfigError
     from epd.launch_spec import LaunchSpecError
-    from epd.model_files import ModelLoadError, ModelNotFoundError
+    from epd.models.checkpoints import ModelLoadError, ModelNotFoundError
 
     return ModelNotFoundError, ModelLoadError, ConfigError, LaunchSpecError, ClusterKeysError
 

@@ -32,7 +32,7 @@ from epd.engine.step_input import StepInput, step_layout
 from epd.kernels.kv_quant import channel_fill_plan
 from epd.kernels.kv_staging import pack_kv, staging_shape, unpack_kv
 from epd.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
-from epd.models import get_model_class
+from epd.models.registry import get_model_class
 from epd.models.loader import load_weights
 from epd.transfer.rank_agent import KVPlan, KVPoll, KVRelease, RankKVWriter, RankPeers
 
