@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from epd.launch_config import (DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES,
+from epd.launch.config import (DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES,
                                TOOL_CALL_PARSERS, VIDEO_ENCODE_SPLITS, WORKER_ENGINE_FLAGS, KV_AGENTS, LaunchConfig,
                                int_list)
 from epd.cli.validators import non_negative_float, non_negative_int, positive_float, positive_int
@@ -162,8 +162,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from transformers import AutoConfig
 
-    from epd.launch_spec import build_launch_plan
-    from epd.launcher import check_port_free
+    from epd.launch.spec import build_launch_plan
+    from epd.launch.ports import check_port_free
     from epd.models.checkpoints import resolve_model
 
     t0 = time.monotonic()
@@ -179,7 +179,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         # KV moves through staging buffers whenever a side is tensor-parallel.
         worker_args += ["--kv-staging-mb", str(config.kv_staging_mb), "--kv-agents", config.kv_agents]
         _check_kv_staging(config, path)
-    from epd.api.serve import serve
+    from epd.launch.api_process import serve
 
     return asyncio.run(serve(config, path, t0, plan=plan, worker_args=worker_args, http_socket=http_socket))
 
@@ -193,7 +193,7 @@ def _check_kv_staging(config: LaunchConfig, path) -> None:
         LaunchSpecError: the pool holds less than one block.
     """
     from epd.config import EngineConfig
-    from epd.launch_spec import LaunchSpecError
+    from epd.launch.spec import LaunchSpecError
 
     kwargs = {k: v for k, v in (("block_size", config.block_size), ("dtype", config.dtype),
                                 ("kv_cache_dtype", config.kv_cache_dtype)) if v is not None}
@@ -216,10 +216,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """``epd serve``: the router and the API only; workers join with ``epd worker``."""
     import asyncio
 
-    from epd.api.serve import serve
+    from epd.launch.api_process import serve
     from epd.cluster_auth import load_keys, require_keys
-    from epd.launch_spec import parse_pools
-    from epd.launcher import check_port_free
+    from epd.launch.spec import parse_pools
+    from epd.launch.ports import check_port_free
     from epd.models.checkpoints import resolve_model
 
     t0 = time.monotonic()
@@ -275,7 +275,7 @@ def _add_generate_parser(sub) -> None:
 
 
 def _add_launch_parser(sub) -> None:
-    """``epd launch``; every default comes from :class:`~epd.launch_config.LaunchConfig`."""
+    """``epd launch``; every default comes from :class:`~epd.launch.config.LaunchConfig`."""
     d = LaunchConfig()
     la = sub.add_parser("launch", help="serve a model over HTTP with encode/prefill/decode worker pools")
     la.add_argument("--pools", default=d.pools,
@@ -551,7 +551,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     ``epd.config`` imports torch, which commands such as ``diagnose`` never need."""
     from epd.cluster_auth import ClusterKeysError
     from epd.config import ConfigError
-    from epd.launch_spec import LaunchSpecError
+    from epd.launch.spec import LaunchSpecError
     from epd.models.checkpoints import ModelLoadError, ModelNotFoundError
 
     return ModelNotFoundError, ModelLoadError, ConfigError, LaunchSpecError, ClusterKeysError

@@ -2,7 +2,7 @@
 
 :class:`LaunchConfig`'s field defaults are the single source of the launch
 defaults: ``epd launch``'s argparse options take theirs from it (so ``--help``
-shows them), and :func:`epd.api.serve.serve` reads the config, never the raw
+shows them), and :func:`epd.launch.api_process.serve` reads the config, never the raw
 ``argparse.Namespace``. Kept free of torch so that ``epd --help`` stays fast.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from epd.launch_spec import LaunchSpecError, parse_pools, parse_tp
+from epd.launch.spec import LaunchSpecError, parse_pools, parse_tp
 from epd.roles import Role
 from epd.tts import check_engine as check_tts_engine
 
@@ -79,7 +79,7 @@ class LaunchConfig:
 
     Raises:
         LaunchSpecError: an invalid ``pools`` / ``tp`` spec (the message of
-            :func:`epd.launch_spec.parse_pools` / :func:`~epd.launch_spec.parse_tp`), or
+            :func:`epd.launch.spec.parse_pools` / :func:`~epd.launch.spec.parse_tp`), or
             a value outside what the matching flag accepts.
     """
 
