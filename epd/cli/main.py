@@ -22,12 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     from epd.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)  # `epd bench`: the serving benchmark (epd/bench/)
-    from epd.diagnose import add_parser as add_diagnose_parser
+    from epd.ops.diagnose.cli import add_parser as add_diagnose_parser
 
-    add_diagnose_parser(sub)  # `epd diagnose`: a running server's bottleneck from its /metrics (epd/diagnose.py)
-    from epd.plan import add_parser as add_plan_parser
+    add_diagnose_parser(sub)  # `epd diagnose`: a running server's bottleneck from its /metrics (epd/ops/diagnose/)
+    from epd.ops.plan.cli import add_parser as add_plan_parser
 
-    add_plan_parser(sub)  # `epd plan`: profile a server, size the pools for a workload and SLOs (epd/plan.py)
+    add_plan_parser(sub)  # `epd plan`: profile a server, size the pools for a workload and SLOs (epd/ops/plan/)
     return parser
 
 
