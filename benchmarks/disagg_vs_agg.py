@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "devices": DEVICES, "cpu_count": os.cpu_count(), "load_avg": {"start": load_avg()}}
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
-        from epd.tiny import create_tiny_model
+        from epd.models.tiny import create_tiny_model
 
         models = {"smollm2": None, "llava": str(create_tiny_model("llava", Path(tmp) / "llava", seed=0))}
         for model_key in ("smollm2", "llava"):

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from epd import LLM
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     git_state = _git_state()  # before the run: the code that was imported
     model_dir = resolve_model(None)

@@ -44,7 +44,7 @@ def build_model(out: Path) -> Path:
     """A random Llama (see the module docstring) with epd's tiny tokenizer, in ``out``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     if (out / "config.json").exists():
         return out
@@ -63,8 +63,8 @@ def build_model(out: Path) -> Path:
 
 
 async def _run(model: Path, mode: str, pair: str, lengths: list[int], reps: int, log_dir: Path) -> dict:
-    from epd.launch_spec import build_launch_plan
-    from epd.launcher import Launcher
+    from epd.launch.spec import build_launch_plan
+    from epd.launch.supervisor import Launcher
     from epd.router.router import Router, RouterRequest
     from epd.sampling_params import SamplingParams
 

@@ -43,7 +43,7 @@ import epd.layers.attention as attention
 from epd import LLM, SamplingParams
 from epd.kernels.kv_quant import dequantize_channels, dequantize_kv, quantize_channels, quantize_kv
 from epd.kernels.store_kv import store_kvcache
-from epd.model_files import resolve_model
+from epd.models.checkpoints import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
 from test_kv_cache_dtype import FORMS, FORMS_2, NEW_TOKENS, SUBJECTS, SUBJECTS_2  # noqa: E402

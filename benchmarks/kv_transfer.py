@@ -324,8 +324,8 @@ def measure_raw(geo: Geometry, lengths: list[int], seed: int, repeats: int = 5) 
 # ---------------------------------------------------------------------------- served
 async def _served(args, geo: Geometry, model_dir: Path, log_dir: Path, sink: dict) -> None:
     from epd import metrics
-    from epd.launch_spec import build_launch_plan
-    from epd.launcher import Launcher
+    from epd.launch.spec import build_launch_plan
+    from epd.launch.supervisor import Launcher
     from epd.router.router import Router, RouterRequest
     from epd.sampling_params import SamplingParams
 
@@ -513,7 +513,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     model_dir = resolve_model(None)
     geo = Geometry(model_dir, args.block_size, args.num_kv_blocks)

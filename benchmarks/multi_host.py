@@ -156,14 +156,14 @@ def main() -> int:
     generate_keys(tmp / "keys")
     model, worker_args = None, ["--kv-cache-memory-gb", "0.3"]
     if args.quick:
-        from epd.tiny import create_tiny_model
+        from epd.models.tiny import create_tiny_model
 
         model = str(create_tiny_model("llama", tmp / "llama"))
         worker_args = ["--num-kv-blocks", "256"]
         args.prompt_tokens, args.reps = min(args.prompt_tokens, 256), min(args.reps, 3)
     from transformers import AutoConfig
 
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     vocab = AutoConfig.from_pretrained(str(resolve_model(model))).get_text_config().vocab_size
     rows, out = [], {"args": vars(args), "model": model or "SmolLM2-135M-Instruct"}

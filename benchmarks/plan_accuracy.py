@@ -57,7 +57,7 @@ def small_llama(path: Path) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     path = create_tiny_model("llama", path)
     cfg = AutoConfig.from_pretrained(path)

@@ -11,7 +11,7 @@ Prints one JSON line.
 
 import sys, time, json, torch
 from epd import LLM, SamplingParams
-from epd.model_files import resolve_model
+from epd.models.checkpoints import resolve_model
 from torch.profiler import profile, ProfilerActivity
 dtype = sys.argv[1]; B = int(sys.argv[2]); label = sys.argv[3]
 torch.set_num_threads(2)

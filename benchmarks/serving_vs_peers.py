@@ -252,13 +252,13 @@ def usable_cores() -> list[int]:
 
 
 def model_dir() -> Path:
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     return resolve_model(None)
 
 
 def packaged_gguf() -> Path:
-    from epd.model_files import default_gguf_path
+    from epd.models.checkpoints import default_gguf_path
 
     return default_gguf_path()
 

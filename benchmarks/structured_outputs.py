@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="requests per client per load point")
     ap.add_argument("--xgrammar-path", default=None, help="a --target install of xgrammar to compare with")
     args = ap.parse_args()
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     model_dir = str(resolve_model(None))
     res = {"mask": mask_times(model_dir, args.xgrammar_path)}

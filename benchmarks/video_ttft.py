@@ -1,6 +1,6 @@
 """Qwen2.5-VL through the encode pool: encode time per video second, and TTFT for 1-4 images or one video.
 
-A random Qwen2.5-VL is built in the run (``epd.tiny``'s, with a wider and deeper vision
+A random Qwen2.5-VL is built in the run (``epd.models.tiny``'s, with a wider and deeper vision
 tower than the tests' and a larger ``max_pixels``, so the tower costs what a small real one
 would on these cores: ``--vision-hidden``, ``--vision-depth``, ``--max-pixels``). Media are
 made in the run: 320x240 PNGs of noise, and H.264 MP4s (a moving gradient, 24 fps) that
@@ -86,9 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_model(out: Path, hidden: int, depth: int, max_pixels: int) -> Path:
-    """``epd.tiny``'s Qwen2.5-VL with a ``hidden`` x ``depth`` vision tower (window attention in
+    """``epd.models.tiny``'s Qwen2.5-VL with a ``hidden`` x ``depth`` vision tower (window attention in
     every block but every fourth and the last, as the real one) and ``max_pixels``."""
-    import epd.tiny as tiny
+    import epd.models.tiny as tiny
 
     base = tiny._CONFIGS["qwen2.5-vl"]
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from epd.model_files import ModelLoadError, ModelNotFoundError, read_json_object
+from epd.models.checkpoints import ModelLoadError, ModelNotFoundError, read_json_object
 
 if TYPE_CHECKING:
     import torch

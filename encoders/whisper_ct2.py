@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
-from epd.model_files import ModelNotFoundError
+from epd.models.checkpoints import ModelNotFoundError
 
 __all__ = ["WHISPER_PACKAGE", "WHISPER_MODEL_NAME", "INSTALL_HINT", "whisper_package_dir", "resolve_whisper"]
 

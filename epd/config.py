@@ -190,7 +190,7 @@ class EngineConfig:
     def text_config(self) -> PretrainedConfig:
         """The LM's config (the ``text_config`` of a multimodal checkpoint), whose
         ``tie_word_embeddings`` is what transformers does with the whole checkpoint
-        (``epd.models.ties_word_embeddings``): the LM classes and the weight loader
+        (``epd.models.registry.ties_word_embeddings``): the LM classes and the weight loader
         read the flag from here."""
         return self._lm_config
 
@@ -253,7 +253,7 @@ def _lm_config(hf_config: PretrainedConfig) -> PretrainedConfig:
     checkpoint; a copy when that differs from the text config's own flag (a small
     Qwen2 LM's ``true`` inside Qwen2-Audio, whose class keeps a separate ``lm_head``),
     so ``hf_config`` itself, which the towers and processors also use, is unchanged."""
-    from epd.models import ties_word_embeddings
+    from epd.models.registry import ties_word_embeddings
 
     text = hf_config.get_text_config()
     tied = ties_word_embeddings(hf_config)

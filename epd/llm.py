@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from epd.config import ConfigError, EngineConfig
 from epd.engine.llm_engine import LLMEngine
 from epd.errors import InvalidRequestError
-from epd.model_files import resolve_model
+from epd.models.checkpoints import resolve_model
 from epd.outputs import RequestOutput
 from epd.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ class LLM:
         The remaining arguments are ``EngineConfig``'s (see there).
 
     Raises:
-        epd.model_files.ModelNotFoundError / ModelLoadError: the model cannot be
+        epd.models.checkpoints.ModelNotFoundError / ModelLoadError: the model cannot be
             found or read; epd.config.ConfigError: an invalid setting.
     """
 

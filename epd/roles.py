@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Role", "ROLE_NAMES"]
+__all__ = ["Role", "ROLE_NAMES", "ROLE_SHORT"]
 
 
 class Role(enum.StrEnum):
@@ -29,3 +29,6 @@ class Role(enum.StrEnum):
 
 #: the role names as plain strings, in launch order (for argparse choices and messages)
 ROLE_NAMES: tuple[str, ...] = tuple(r.value for r in Role)
+
+#: each role's short name in ``--pools`` / ``--tp`` specs (``e:2,p:4,d:8``)
+ROLE_SHORT: dict[Role, str] = {Role.ENCODE: "e", Role.PREFILL: "p", Role.DECODE: "d", Role.PD: "pd", Role.TTS: "t"}

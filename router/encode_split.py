@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epd.launch_config import VIDEO_ENCODE_SPLITS  # noqa: F401  ("auto" splits as above, "off" never)
+from epd.launch.config import VIDEO_ENCODE_SPLITS  # noqa: F401  ("auto" splits as above, "off" never)
 from epd.multimodal import MediaItem
 from epd.router.policies import MediaAffinity
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from epd.launch_config import KV_FAILURE_POLICIES
+from epd.launch.config import KV_FAILURE_POLICIES
 from epd.multimodal import MediaItem
 from epd.roles import Role
 from epd.router.pipeline import Pipeline

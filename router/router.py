@@ -73,7 +73,7 @@ class Router:
             "off" (a request's items all go to one encoder).
         keys: the cluster's CURVE keys (``epd.cluster_auth``): every socket authenticated
             and encrypted. None: no authentication, which only a loopback ``host`` allows.
-        model: ``epd.model_files.model_fingerprint`` of the served checkpoint: a worker
+        model: ``epd.models.checkpoints.model_fingerprint`` of the served checkpoint: a worker
             reporting another one is refused for good ("": not checked).
 
     Raises:

@@ -9,13 +9,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from epd.tiny import TEXT_KINDS as TINY_KINDS  # noqa: E402
+from epd.models.tiny import TEXT_KINDS as TINY_KINDS  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     """kind -> directory of a seeded tiny random checkpoint (+ tokenizer)."""
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     return {kind: str(create_tiny_model(kind, root / kind, seed=0)) for kind in TINY_KINDS}
@@ -24,7 +24,7 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """The embedded SmolLM2-135M-Instruct, converted to safetensors once per cache."""
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     return str(resolve_model(None))
 

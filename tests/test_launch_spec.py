@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd.launch_spec import LaunchSpecError, PoolSpec, build_launch_plan, parse_pools, parse_tp
+from epd.launch.spec import LaunchSpecError, PoolSpec, build_launch_plan, parse_pools, parse_tp
 
 # SmolLM2-135M: 9 attention heads, 3 KV heads
 SMOL = dict(num_attention_heads=9, num_kv_heads=3)
@@ -149,7 +149,7 @@ def test_build_plan_reports_spec_errors_before_model_errors():
 def test_launch_refuses_bad_engine_settings_before_starting_workers():
     """A negative stall-free cap or an unknown dtype fails `epd launch` at once (LaunchConfig),
     not in every worker it would start; the given ones are forwarded, switches as flags."""
-    from epd.launch_config import LaunchConfig
+    from epd.launch.config import LaunchConfig
 
     with pytest.raises(LaunchSpecError, match="max_prefill_tokens_with_decodes must be >= 0"):
         LaunchConfig(max_prefill_tokens_with_decodes=-5)
@@ -170,7 +170,7 @@ def test_launch_refuses_a_kv_cache_size_that_is_not_positive(gb, capsys):
     """`--kv-cache-memory-gb 0` / `-1` fails `epd launch` at once with a message naming the flag's
     field (like `--kv-staging-mb 0`), not "worker died during start-up" in every worker it starts."""
     from epd.cli import main
-    from epd.launch_config import LaunchConfig
+    from epd.launch.config import LaunchConfig
 
     with pytest.raises(LaunchSpecError, match="kv_cache_memory_gb must be a finite number > 0"):
         LaunchConfig(kv_cache_memory_gb=gb)
@@ -182,7 +182,7 @@ def test_launch_refuses_a_kv_cache_size_that_is_not_positive(gb, capsys):
 
 @pytest.mark.parametrize("field", ["num_kv_blocks", "max_model_len"])
 def test_launch_refuses_a_block_count_or_model_length_below_one(field):
-    from epd.launch_config import LaunchConfig
+    from epd.launch.config import LaunchConfig
 
     with pytest.raises(LaunchSpecError, match=f"{field} must be >= 1, got 0"):
         LaunchConfig(**{field: 0})
@@ -192,12 +192,12 @@ def test_launch_refuses_a_staging_pool_smaller_than_one_block(tmp_path, monkeypa
     """With heterogeneous TP, a --kv-staging-mb that holds no staging block (8-layer tiny Llama,
     blocks of 1024 tokens: 2 MiB each) fails `epd launch` at once with the size to use; one that
     holds a few blocks warns that max_model_len is lowered. No worker is started either way."""
-    import epd.api.serve
+    import epd.launch.api_process
     from epd.cli import main
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     calls = []
-    monkeypatch.setattr(epd.api.serve, "serve", lambda *a, **k: calls.append(k["worker_args"]))
+    monkeypatch.setattr(epd.launch.api_process, "serve", lambda *a, **k: calls.append(k["worker_args"]))
     monkeypatch.setattr("asyncio.run", lambda coro: 0)
     path = str(create_tiny_model("llama", tmp_path / "llama8", num_hidden_layers=8))
     base = ["launch", "--model", path, "--pools", "p:2,d:1", "--tp", "p:2,d:1", "--port", "0"]

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from epd.launch_spec import LaunchSpecError, PoolSpec, build_launch_plan
-from epd.launcher import Launcher, check_port_free, default_threads_per_worker, find_free_port, worker_argv
+from epd.launch.spec import LaunchSpecError, PoolSpec, build_launch_plan
+from epd.launch.ports import check_port_free, find_free_port
+from epd.launch.supervisor import Launcher, default_threads_per_worker, worker_argv
 
 psutil = pytest.importorskip("psutil")
 
@@ -90,17 +91,17 @@ def test_default_threads_per_worker(monkeypatch):
 def test_layout_of_design_example():
     plan = build_launch_plan("e:2,p:4,d:8", "p:4,d:1", num_attention_heads=32, num_kv_heads=8)
     la = Launcher(plan, model="/models/x", router_endpoint="tcp://127.0.0.1:5555", threads_per_worker=None)
-    layout = [(s.role, s.instance_id, s.rank, s.tp) for s in la.slots]
-    assert layout == ([("encode", f"encode-{i}", 0, 1) for i in range(2)]
-                      + [("prefill", "prefill-0", r, 4) for r in range(4)]
-                      + [("decode", f"decode-{i}", 0, 1) for i in range(8)])
-    assert [s.device_index for s in la.slots] == list(range(14))
-    assert la.num_processes == 14
+    layout = [(s.role, s.instance_id, s.tp) for s in la.slots]  # one process per instance: its rank 0
+    assert layout == ([("encode", f"encode-{i}", 1) for i in range(2)]
+                      + [("prefill", "prefill-0", 4)]
+                      + [("decode", f"decode-{i}", 1) for i in range(8)])
+    assert [s.device_index for s in la.slots] == [0, 1, 2, *range(6, 14)]
+    assert la.num_processes == 11
     assert la.threads_per_worker is None  # the thread budget for single-rank workers
-    argv = la._argv(la.slots[4])
+    argv = la._argv(la.slots[2])
     assert argv == [sys.executable, "-m", "epd.cli", "worker", "--role", "prefill", "--instance-id", "prefill-0",
-                    "--rank", "2", "--tp", "4", "--router", "tcp://127.0.0.1:5555", "--model", "/models/x",
-                    "--threads", str(default_threads_per_worker(14))]  # TP ranks: a fixed even share
+                    "--rank", "0", "--tp", "4", "--router", "tcp://127.0.0.1:5555", "--model", "/models/x",
+                    "--threads", str(default_threads_per_worker(14))]  # TP ranks: a fixed even share of 14 devices
     assert "--threads" not in la._argv(la.slots[0]) and "--threads" not in la._argv(la.slots[-1])
     fixed = Launcher(plan, model="/models/x", router_endpoint="tcp://127.0.0.1:5555", threads_per_worker=3)
     assert fixed._argv(fixed.slots[0])[-2:] == ["--threads", "3"]
@@ -134,12 +135,12 @@ def test_children_get_argv_and_env(tmp_path):
     assert _wait_until(lambda: all(w.popen.poll() is not None for w in la.workers), timeout=20)
     dead = la.poll_dead()
     assert sorted(w.instance_id + str(w.rank) for w in dead) == ["decode-00", "decode-10", "encode-00",
-                                                                  "prefill-00", "prefill-01"]
+                                                                  "prefill-00"]
     assert all(w.returncode == 0 for w in dead)
     assert la.poll_dead() == []  # each reported once
     got = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
-    assert got["prefill-0-1"]["argv"] == ["prefill", "prefill-0", "1", "2"]
-    assert got["prefill-0-1"]["env"] == {"EPD_INSTANCE_ID": "prefill-0", "EPD_RANK": "1", "EPD_DEVICE_INDEX": "2",
+    assert got["prefill-0-0"]["argv"] == ["prefill", "prefill-0", "0", "2"]
+    assert got["prefill-0-0"]["env"] == {"EPD_INSTANCE_ID": "prefill-0", "EPD_RANK": "0", "EPD_DEVICE_INDEX": "1",
                                          "OMP_NUM_THREADS": "2", "EPD_LAUNCHER_PID": str(os.getpid()),
                                          "FOO": "bar"}
     la.stop()
@@ -150,7 +151,7 @@ def test_stop_leaves_no_child_alive():
     la = _launcher([PoolSpec("encode", 1, 1), PoolSpec("prefill", 2, 2), PoolSpec("decode", 2, 1)])
     la.start()
     pids = [w.pid for w in la.workers]
-    assert len(pids) == 5 and all(_alive(p) for p in pids)
+    assert len(pids) == 4 and all(_alive(p) for p in pids)
     t0 = time.monotonic()
     la.stop(timeout_s=10)
     assert time.monotonic() - t0 < 5  # SIGTERM kills the sleepers at once
@@ -235,8 +236,8 @@ def test_children_ignore_sigint():
 # ---------------------------------------------------------------- the launcher process dies
 _SCRIPT = textwrap.dedent("""
     import json, sys, time
-    from epd.launch_spec import PoolSpec
-    from epd.launcher import Launcher
+    from epd.launch.spec import PoolSpec
+    from epd.launch.supervisor import Launcher
 
     la = Launcher([PoolSpec("encode", 1, 1), PoolSpec("prefill", 2, 2), PoolSpec("decode", 1, 1)],
                   model="m", router_endpoint="tcp://127.0.0.1:1", threads_per_worker=1,
@@ -256,7 +257,7 @@ def _start_script() -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     pids = json.loads(line)
-    assert len(pids) == 4
+    assert len(pids) == 3
     return proc, pids
 
 

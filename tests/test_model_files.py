@@ -1,4 +1,4 @@
-"""Model resolution (epd.model_files) and tiny random checkpoints (epd.tiny)."""
+"""Model resolution (epd.models.checkpoints) and tiny random checkpoints (epd.models.tiny)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from epd import model_files, tiny
-from epd.model_files import (
+from epd.models import checkpoints as model_files, tiny
+from epd.models.checkpoints import (
     DEFAULT_MODEL,
     MARKER_FILE,
     ModelLoadError,

@@ -16,7 +16,7 @@ from epd.workers.engine_worker import EngineWorker
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> str:
     """A tiny random llama (only that one: the session's tiny_model_dirs builds every kind)."""
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     return str(create_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama", seed=0))
 

@@ -33,7 +33,7 @@ from epd.api.protocol import (ChatRequest, CompletionRequest, error_body, error_
                               too_many_requests)
 from epd.api.streaming import CompletionResponder
 from epd.encoders.processor import MultiModalProcessor
-from epd.launch_config import LaunchConfig
+from epd.launch.config import LaunchConfig
 from epd.router.router import Router
 
 __all__ = ["ApiSettings", "GuardMiddleware", "build_http_app", "error_body", "error_response"]

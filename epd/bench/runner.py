@@ -266,7 +266,7 @@ def served_tokens_per_word(model: str) -> tuple[float, str]:
     vLLM's benchmark defaults ``--tokenizer`` to ``--model``; else 1.0 (a BPE vocabulary's
     usual figure), with a warning on stderr. Returns ``(tokens_per_word, where it came from)``."""
     from epd.bench.workloads import calibrate
-    from epd.model_files import resolve_model
+    from epd.models.checkpoints import resolve_model
 
     try:
         path = resolve_model(model)

@@ -46,7 +46,7 @@ class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
     kv_layout: KVLayout | None = None
     startup_s: float = 0.0
     incarnation: int = 0  # random per process: a repeat of this WorkerReady is the same member re-joining
-    model: str = ""  # epd.model_files.model_fingerprint of the checkpoint it serves ("": not said)
+    model: str = ""  # epd.models.checkpoints.model_fingerprint of the checkpoint it serves ("": not said)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

@@ -184,7 +184,7 @@ class BaseWorker:
         self._start_heartbeats()
 
     def _model_fingerprint(self) -> str:
-        from epd.model_files import model_fingerprint, resolve_model
+        from epd.models.checkpoints import model_fingerprint, resolve_model
 
         return model_fingerprint(resolve_model(self.args.model))
 

@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from epd.encoders.encoder_runner import EncoderRunner
 from epd.messages import EmbeddingRef, EncodeDone, EncodeRequest, Message, MessageError, ReleaseEmbeddings, decode
-from epd.model_files import resolve_model
+from epd.models.checkpoints import resolve_model
 from epd.roles import Role
 from epd.workers.base import BaseWorker
 from epd.workers.embedding_buffer import EmbeddingBuffer

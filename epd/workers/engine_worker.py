@@ -12,7 +12,7 @@ from epd.engine.llm_engine import LLMEngine
 from epd.messages import (EmbeddingRef, ReleaseEmbeddings, RequestFailed, TokenLogprob,
                           TokenOutput, encode, typed_view)
 from epd.messages import Heartbeat, KVEvents
-from epd.model_files import resolve_model
+from epd.models.checkpoints import resolve_model
 from epd.multimodal import Placeholder
 from epd.roles import Role
 from epd.transfer.kv_connector import kv_layout

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from epd.launcher import host_cores
+from epd.launch.supervisor import host_cores
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from epd.api.protocol import ChatRequest
 from epd.api.realtime.conversation import Item, Part, ResponseState
 from epd.api.realtime.prompt import ConversationPrompt
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
-from epd.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
 from tests.serving.media import data_url, png, wav
 
 

@@ -29,7 +29,7 @@ from epd.api.app import build_app
 from epd.api.server import ApiSettings
 from epd.encoders.processor import ProcessedPrompt
 from epd.router.request import TokenEvent
-from epd.tiny import build_tiny_tokenizer
+from epd.models.tiny import build_tiny_tokenizer
 
 WAIT_S = 60  # a generous bound for things that must happen, never a latency check
 

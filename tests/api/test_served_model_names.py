@@ -35,9 +35,9 @@ def test_aliases_are_served_and_listed_and_other_names_are_404():
 
 
 def test_the_flag_reaches_the_api_settings():
-    from epd.api.serve import api_settings
+    from epd.launch.api_process import api_settings
     from epd.cli import build_parser
-    from epd.launch_config import LaunchConfig
+    from epd.launch.config import LaunchConfig
 
     args = build_parser().parse_args(["launch", "--served-model-name", "smol", "gpt-4o", "gpt-realtime"])
     config = LaunchConfig.from_args(args)

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from epd.api import completions
 from epd.api.realtime.protocol import ResponseCreate, SessionUpdate
 from epd.api.server import ApiSettings, build_http_app
-from epd.tiny import build_tiny_tokenizer
+from epd.models.tiny import build_tiny_tokenizer
 
 USER = [{"role": "user", "content": "hi"}]
 IMG = "data:image/png;base64,iVBORw0KGgo="

@@ -94,7 +94,7 @@ NOARGS = ("ping", {"type": "object", "properties": {}})
 def tokenizer():
     import llguidance.hf
 
-    from epd.tiny import build_tiny_tokenizer
+    from epd.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     return tok, llguidance.hf.from_tokenizer(tok, len(tok))

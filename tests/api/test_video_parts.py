@@ -19,7 +19,7 @@ from epd.api.protocol import BadRequest, ChatRequest
 from epd.encoders.media_limits import MediaError
 from epd.encoders.processor import MultiModalProcessor
 from epd.encoders.video import VideoFrame
-from epd.tiny import IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from tests.encoders.video_files import video
 
 CLIP = video(frames=8, fps=4, pixels=lambda i, h, w: np.random.default_rng(i).integers(0, 256, (h, w, 3), np.uint8))

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llava_server(tmp_path_factory):
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     model = create_tiny_model("llava", tmp_path_factory.mktemp("bench") / "llava", seed=0)
     with launch(str(model), "e:1,pd:1") as server:

@@ -91,7 +91,7 @@ def test_pcm16_resampling():
 
 
 def test_calibrated_lengths_with_a_real_tokenizer():
-    from epd.tiny import build_tiny_tokenizer
+    from epd.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     ratio = calibrate(tok)

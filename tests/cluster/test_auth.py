@@ -27,7 +27,7 @@ from epd import LLM, SamplingParams
 from epd.messages import (Abort, EncodeRequest, KVEvents, Registered, RegistrationRefused, Shutdown, WorkerReady,
                           decode, encode)
 from epd.multimodal import MediaItem
-from epd.tiny import IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from tests.cluster.netns import Cluster, netns_available
 from tests.cluster.deployment import Deployment
 from tests.conftest import metric_sum

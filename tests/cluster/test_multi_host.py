@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from epd.tiny import create_tiny_model
+from epd.models.tiny import create_tiny_model
 from tests.cluster.deployment import Deployment
 from tests.cluster.netns import Cluster, netns_available
 from tests.conftest import hf_greedy

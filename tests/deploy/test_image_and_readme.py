@@ -56,10 +56,10 @@ def test_model_is_converted_at_build_time_and_entrypoint_is_epd():
     assert "resolve_model(None)" in run and "resolve_whisper()" in run
     assert re.search(r"^ENV .*EPD_CACHE=/opt/epd/cache", re.sub(r"\\\n", " ", DOCKERFILE), re.M)
     assert re.search(r'^ENTRYPOINT \["epd"\]', DOCKERFILE, re.M)
-    for mod in ("epd.model_files", "epd.encoders.whisper_ct2"):
+    for mod in ("epd.models.checkpoints", "epd.encoders.whisper_ct2"):
         assert f"from {mod} import" in run
     import epd.encoders.whisper_ct2 as w
-    import epd.model_files as mf
+    import epd.models.checkpoints as mf
 
     assert callable(mf.resolve_model) and callable(w.resolve_whisper)
 

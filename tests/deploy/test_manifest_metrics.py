@@ -186,7 +186,7 @@ def test_a_real_server_serves_every_metric_name(tmp_path_factory):
     triggers and the dashboard name, and each pool's autoscaling signal for that pool."""
     import httpx
 
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
     from tests.serving.conftest import launch
     from tests.serving.media import data_url, png
 
@@ -249,7 +249,7 @@ def test_each_scrape_target_serves_its_pools_signals(tmp_path_factory):
     on one of the endpoints (API or workers)."""
     import httpx
 
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
     from tests.serving.media import data_url, png
 
     model = str(create_tiny_model("llava", tmp_path_factory.mktemp("deploy") / "llava"))

@@ -14,7 +14,7 @@ from PIL import Image
 
 from epd import LLM, SamplingParams
 from epd.errors import InvalidRequestError
-from epd.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
 
 MAX_TOKENS = 12
 IMAGE_PROMPTS = [f"{IMAGE_TOKEN} What is in the picture?",

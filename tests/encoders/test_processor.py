@@ -14,7 +14,7 @@ from PIL import Image
 from epd import LLM, SamplingParams
 from epd.encoders.encoder_cache import EncoderCache
 from epd.encoders.processor import MultiModalProcessor
-from epd.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
 
 
 @pytest.fixture(scope="module")

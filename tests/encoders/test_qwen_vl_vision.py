@@ -16,7 +16,7 @@ from epd.encoders.encoder_runner import EncoderRunner
 from epd.encoders.processor import MultiModalProcessor
 from epd.errors import InvalidRequestError
 from epd.models.mrope import VisionSpan, mrope_positions, prompt_mrope_positions
-from epd.tiny import QWEN_VL_MAX_PIXELS, QWEN_VL_MIN_PIXELS, create_tiny_model
+from epd.models.tiny import QWEN_VL_MAX_PIXELS, QWEN_VL_MIN_PIXELS, create_tiny_model
 
 # (height, width): different token counts; one below min_pixels, one above max_pixels
 SIZES = [(30, 40), (64, 20), (6, 5), (300, 200)]

@@ -20,7 +20,7 @@ from epd.encoders.media_limits import MediaError
 from epd.encoders.processor import MultiModalProcessor
 from epd.encoders.video import VIDEO_PLACEHOLDER, VideoSampling
 from epd.errors import InvalidRequestError
-from epd.tiny import IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from tests.encoders.video_files import video
 
 MAX_TOKENS = 10

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from epd.model_files import ModelLoadError, ModelNotFoundError
+from epd.models.checkpoints import ModelLoadError, ModelNotFoundError
 
 SPEECH_DIR = pathlib.Path(__file__).resolve().parent.parent / "data" / "speech"
 

@@ -6,7 +6,7 @@ import pytest
 
 from epd import LLM, SamplingParams
 from epd.errors import InvalidRequestError
-from epd.model_files import ModelNotFoundError
+from epd.models.checkpoints import ModelNotFoundError
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from epd import LLM, SamplingParams
-from epd.tiny import create_tiny_model
+from epd.models.tiny import create_tiny_model
 
 MAX_TOKENS = 8
 

@@ -19,7 +19,7 @@ from epd.engine.scheduler import Scheduler
 from epd.messages import KVReserved, ReserveKV
 from epd.multimodal import Placeholder
 from epd.sequence import Sequence, SequenceStatus
-from epd.tiny import IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from epd.transfer.kv_receiver import NixlKVReceiver
 
 BS = 4

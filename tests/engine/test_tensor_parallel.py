@@ -41,7 +41,7 @@ def test_tp2_with_image_embeddings(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from epd.tiny import IMAGE_TOKEN, create_tiny_model
+    from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 
     model_dir = str(create_tiny_model("llava", tmp_path / "llava"))
     rng = np.random.default_rng(0)

@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from epd import LLM, SamplingParams
 from epd.config import EngineConfig
-from epd.models import MULTIMODAL_ARCHITECTURES, ties_word_embeddings
-from epd.tiny import create_tiny_model
+from epd.models.registry import MULTIMODAL_ARCHITECTURES, ties_word_embeddings
+from epd.models.tiny import create_tiny_model
 
 MAX_TOKENS = 10
 PROMPTS = [[5, 6, 7], list(range(10, 40))]

@@ -153,7 +153,7 @@ def check_kernels(dev: str) -> dict:
 
 # ---------------------------------------------------------------- 2. parity
 def _tiny(work: Path) -> str:
-    from epd.tiny import create_tiny_model
+    from epd.models.tiny import create_tiny_model
 
     path = work / "tiny-llama"
     if not path.exists():

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from epd.models.mrope import VisionSpan, mrope_positions
-from epd.tiny import QWEN_VL_TOKENS, build_tiny_tokenizer
+from epd.models.tiny import QWEN_VL_TOKENS, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def reference():
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
-    from epd.tiny import _qwen2_5_vl_config
+    from epd.models.tiny import _qwen2_5_vl_config
 
     tok = build_tiny_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})

@@ -1,7 +1,7 @@
 """Qwen2.5-VL's LM half in epd's own model code (Qwen2 blocks with M-RoPE), driven here by
 hand — prefill over a one-chunk paged KV cache, then decode steps — against transformers'
 ``Qwen2_5_VLForConditionalGeneration.generate`` on the same images. Not yet served: the
-engine's steps carry 1-D positions (epd.models.MULTIMODAL_ARCHITECTURES leaves it out)."""
+engine's steps carry 1-D positions (epd.models.registry.MULTIMODAL_ARCHITECTURES leaves it out)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from epd.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from epd.models.loader import load_weights
 from epd.models.mrope import VisionSpan, mrope_positions
 from epd.models.qwen2 import Qwen2ForCausalLM
-from epd.tiny import create_tiny_model
+from epd.models.tiny import create_tiny_model
 
 BLOCK = 8
 NEW_TOKENS = 6

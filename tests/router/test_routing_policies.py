@@ -239,7 +239,8 @@ def test_build_policy_defaults_and_rejects_what_a_pool_cannot_take():
 
 
 def test_cli_routing_choices_match_the_policies():
-    from epd.cli import ROUTING_POLICIES, build_parser
+    from epd.cli import build_parser
+    from epd.launch.config import ROUTING_POLICIES
 
     for role, names in ROUTING_POLICIES.items():
         assert names == POLICIES[role]

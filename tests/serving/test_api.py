@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from epd import LLM, SamplingParams
-from epd.tiny import AUDIO_TOKEN, create_tiny_model
+from epd.models.tiny import AUDIO_TOKEN, create_tiny_model
 from tests.serving.conftest import launch
 from tests.serving.media import data_url as _data_url
 from tests.serving.media import png as _png

@@ -32,7 +32,7 @@ import time
 import httpx
 import pytest
 
-from epd.tiny import create_tiny_model
+from epd.models.tiny import create_tiny_model
 from tests.serving.conftest import launch
 
 pytestmark = pytest.mark.slow

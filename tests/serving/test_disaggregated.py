@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from epd import LLM, SamplingParams
-from epd.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import AUDIO_TOKEN, IMAGE_TOKEN, create_tiny_model
 from tests.serving.conftest import launch
 from tests.serving.media import data_url as _data_url
 from tests.serving.media import png as _png

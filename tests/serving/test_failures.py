@@ -23,7 +23,7 @@ import openai
 import pytest
 from PIL import Image
 
-from epd.tiny import create_tiny_model
+from epd.models.tiny import create_tiny_model
 from tests.conftest import metric_sum
 from tests.serving.conftest import Server, launch
 

@@ -25,7 +25,7 @@ import pytest
 from PIL import Image
 
 from epd import LLM, SamplingParams
-from epd.tiny import IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from tests.conftest import hf_greedy
 from tests.serving.conftest import launch
 

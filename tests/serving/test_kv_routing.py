@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from epd.tiny import IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from tests.serving.conftest import launch
 from tests.serving.test_disaggregated import _chat_messages, _png
 

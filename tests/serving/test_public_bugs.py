@@ -65,7 +65,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from epd import LLM, SamplingParams
 from epd.encoders.processor import MultiModalProcessor
-from epd.tiny import IMAGE_TOKEN, create_tiny_model
+from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from tests.serving.conftest import launch
 from tests.serving.media import data_url, png
 from tests.serving.public_bugs_helpers import (Reference, assert_error, assert_idle, check_idle, complete, metric,

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from epd import LLM, SamplingParams
-from epd.tiny import create_tiny_model
+from epd.models.tiny import create_tiny_model
 from tests.encoders.video_files import video
 from tests.serving.conftest import launch
 from tests.serving.test_kv_routing import _counter

@@ -23,7 +23,7 @@ from openai import AsyncOpenAI
 
 from epd import LLM, SamplingParams
 from epd.api.realtime.protocol import MAX_APPEND_BYTES
-from epd.tiny import AUDIO_TOKEN, create_tiny_model
+from epd.models.tiny import AUDIO_TOKEN, create_tiny_model
 from tests.serving.conftest import launch
 
 pytestmark = pytest.mark.slow

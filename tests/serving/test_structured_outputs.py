@@ -21,7 +21,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from epd.tiny import create_tiny_model
+from epd.models.tiny import create_tiny_model
 from tests.serving.conftest import launch
 
 SCHEMA = {

@@ -16,7 +16,7 @@ import pytest
 
 from epd import LLM, SamplingParams
 from epd.encoders.video import VIDEO_PLACEHOLDER
-from epd.tiny import create_tiny_model
+from epd.models.tiny import create_tiny_model
 from tests.encoders.video_files import audio_only_mp4, video, with_declared_frames
 from tests.serving.conftest import launch
 from tests.serving.test_kv_routing import _counter

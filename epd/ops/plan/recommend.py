@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from epd.launch_spec import ROLE_SHORT
 from epd.ops.plan.errors import PlanError
 from epd.ops.plan.fit import Profile
 from epd.ops.plan.simulate import decode_slowdown_at, prefill_run, simulate, simulate_decode
 from epd.ops.plan.workload import Workload
-from epd.roles import Role
+from epd.roles import ROLE_SHORT, Role
 
 __all__ = ["QUANTILE", "Prediction", "extrapolation_warnings", "pools_text", "recommend"]
 

@@ -2,8 +2,14 @@
 
 :class:`LaunchConfig`'s field defaults are the single source of the launch
 defaults: ``epd launch``'s argparse options take theirs from it (so ``--help``
-shows them), and :func:`epd.api.serve.serve` reads the config, never the raw
+shows them), and :func:`epd.launch.api_process.serve` reads the config, never the raw
 ``argparse.Namespace``. Kept free of torch so that ``epd --help`` stays fast.
+(:mod:`epd.launch` says which other settings type is for what.)
+
+``__post_init__`` checks the fields, raising :class:`~epd.launch.spec.LaunchSpecError`
+that names the field: a config built in code (or from a hand-made Namespace) is refused
+where the flags' argparse types (:mod:`epd.cli.validators`, :func:`int_list`) would
+refuse the flag.
 """
 
 from __future__ import annotations
@@ -11,13 +17,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from epd.launch_spec import LaunchSpecError, parse_pools, parse_tp
+from epd.launch.spec import LaunchSpecError, parse_pools, parse_tp
 from epd.roles import Role
 from epd.tts import check_engine as check_tts_engine
 
 __all__ = ["LaunchConfig", "ROUTING_POLICIES", "KV_FAILURE_POLICIES", "WORKER_ENGINE_FLAGS", "DTYPE_NAMES",
-           "KV_CACHE_DTYPE_NAMES",
-           "TOOL_CALL_PARSERS", "VIDEO_ENCODE_SPLITS"]
+           "KV_CACHE_DTYPE_NAMES", "KV_AGENTS", "TOOL_CALL_PARSERS", "VIDEO_ENCODE_SPLITS", "int_list"]
 
 #: routing policies per pool, the default first (epd.router.policies.POLICIES, kept here so
 #: `epd --help` need not import torch; tests check that the two agree)
@@ -39,6 +44,9 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 #: ``--kv-cache-dtype``: the model's dtype, or a quantized cache (``fp8`` = ``fp8_e4m3``, as vLLM)
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3", "fp8")
+#: ``--kv-agents``: NIXL agents of a TP instance (epd.transfer.rank_agent)
+KV_AGENTS = ("rank0", "per-rank")
+
 
 def int_list(text: str) -> tuple[int, ...]:
     """``"1,2,4,8"`` -> ``(1, 2, 4, 8)`` (``--cuda-graph-sizes``).
@@ -46,8 +54,6 @@ def int_list(text: str) -> tuple[int, ...]:
     Raises:
         argparse.ArgumentTypeError: not a comma-separated list of integers >= 1.
     """
-    import argparse
-
     try:
         sizes = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -59,9 +65,6 @@ def int_list(text: str) -> tuple[int, ...]:
 
 #: engine settings a worker takes (flag, type; bool: a switch); `epd launch` forwards the
 #: ones given to every worker
-#: ``--kv-agents``: NIXL agents of a TP instance (epd.transfer.rank_agent)
-KV_AGENTS = ("rank0", "per-rank")
-
 WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
                        ("--max-prefill-tokens-with-decodes", int), ("--target-step-ms", float),
                        ("--kv-cache-memory-gb", float),
@@ -79,7 +82,7 @@ class LaunchConfig:
 
     Raises:
         LaunchSpecError: an invalid ``pools`` / ``tp`` spec (the message of
-            :func:`epd.launch_spec.parse_pools` / :func:`~epd.launch_spec.parse_tp`), or
+            :func:`epd.launch.spec.parse_pools` / :func:`~epd.launch.spec.parse_tp`), or
             a value outside what the matching flag accepts.
     """
 

@@ -1,11 +1,15 @@
-"""Process supervisor of ``epd launch``: one worker process per device, none left behind.
+"""Process supervisor of ``epd launch``: one worker process per instance, none left behind.
 
-:class:`Launcher` turns a launch plan (:func:`epd.launch_spec.build_launch_plan`)
+:class:`Launcher` turns a launch plan (:func:`epd.launch.spec.build_launch_plan`)
 into processes: a pool of ``devices`` devices with TP ``tp`` is ``devices // tp``
-instances ``<role>-<i>``, each of ``tp`` consecutive ranks, one process per rank::
+instances ``<role>-<i>``, each of ``tp`` consecutive devices. The launcher starts each
+instance's rank 0, which starts ranks 1..tp-1 itself (its engine's ModelRunner
+processes, which die with it by PDEATHSIG and share its staging memory)::
 
-    python -m epd.cli worker --role prefill --instance-id prefill-0 --rank 2 --tp 4 \\
+    python -m epd.cli worker --role prefill --instance-id prefill-0 --rank 0 --tp 4 \\
         --router tcp://127.0.0.1:5555 --model DIR --threads 1 [extra args]
+
+:func:`supervise` restarts the instances whose process exits while serving.
 
 No orphans, three ways:
 
@@ -22,14 +26,13 @@ No orphans, three ways:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import ctypes.util
-import errno
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,29 +41,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd.launch_spec import LaunchSpecError, PoolSpec
+from epd.launch.spec import LaunchSpecError, PoolSpec
 from epd.roles import Role
 
-__all__ = ["WorkerProcess", "Launcher", "default_threads_per_worker", "check_port_free", "find_free_port",
-           "worker_argv"]
+__all__ = ["WorkerProcess", "Launcher", "default_threads_per_worker", "host_cores", "worker_argv", "supervise"]
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+#: seconds between :func:`supervise`'s checks for exited workers
+MONITOR_S = 0.25
 
 
 @dataclass
 class WorkerProcess:
-    """One worker process (one TP rank of one instance).
+    """One worker process: rank 0 of one instance (it starts the instance's other ranks).
 
     Attributes:
         role: the instance's pool (:class:`~epd.roles.Role`).
-        instance_id: e.g. "prefill-0"; the ``tp`` ranks of an instance share it.
-        rank: TP rank inside the instance, 0..tp-1.
+        instance_id: e.g. "prefill-0".
+        rank: TP rank inside the instance (0: the launcher starts rank 0 only).
         popen: the running process.
         argv: its command line (reused by :meth:`Launcher.restart`).
         tp: TP size of the instance.
-        device_index: global device index, 0..total devices-1, in launch order.
+        device_index: the instance's first device, 0..total devices-1, in launch order.
         returncode: exit status once reaped (negative: killed by that signal).
     """
 
@@ -78,7 +82,7 @@ class WorkerProcess:
         return self.popen.pid
 
     def describe(self) -> str:
-        """``"prefill-0 rank 2 (pid 1234)"``, plus how it exited when it did."""
+        """``"prefill-0 rank 0 (pid 1234)"``, plus how it exited when it did."""
         s = f"{self.instance_id} rank {self.rank} (pid {self.pid})"
         rc = self.returncode
         if rc is not None:
@@ -95,11 +99,12 @@ class WorkerProcess:
 
 @dataclass(frozen=True)
 class _Slot:
+    """One instance of the plan: the process the launcher starts for it (its rank 0)."""
+
     role: Role
     instance_id: str
-    rank: int
     tp: int
-    device_index: int
+    device_index: int  # the instance's first device
 
 
 WorkerCmd = Sequence[str] | Callable[[str, str, int, int], Sequence[str]]
@@ -136,57 +141,6 @@ def worker_argv(role: Role | str, instance_id: str, rank: int, tp: int, *, route
     return argv + list(extra)
 
 
-def _resolve_host(host: str, port: int) -> tuple:
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise LaunchSpecError(f"cannot resolve host {host!r} ({e.strerror}): pass an address such as "
-                              "--host 127.0.0.1 or --host 0.0.0.0") from None
-    return infos[0]
-
-
-def check_port_free(host: str, port: int, keep: bool = False, flag: str = "--port") -> socket.socket | None:
-    """Raise :class:`LaunchSpecError` unless a TCP server could listen on ``host:port``.
-
-    Binds (with SO_REUSEADDR, as uvicorn does, so sockets in TIME_WAIT don't count)
-    a socket and releases it, or with ``keep`` returns it bound (not listening) so
-    that nothing else - the workers' own ZeroMQ/UCX ports included - takes the port
-    while the workers start; the HTTP server then serves on it. Port 0 (pick any)
-    is always free.
-    """
-    if not 0 <= port <= 65535:
-        raise LaunchSpecError(f"port {port} is out of range: pick one in 1..65535 with {flag}")
-    family, socktype, proto, _, addr = _resolve_host(host, port)
-    s = socket.socket(family, socktype, proto)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(addr)
-    except OSError as e:
-        s.close()
-        if e.errno == errno.EADDRINUSE:
-            raise LaunchSpecError(f"port {port} on {host} is already in use: pick another with {flag}") from None
-        if e.errno == errno.EACCES:
-            raise LaunchSpecError(f"no permission to listen on port {port} on {host} (ports below 1024 "
-                                  f"need privileges): pick another with {flag}") from None
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise LaunchSpecError(f"address {host} is not an address of this machine: pass one it has, "
-                                  "e.g. --host 127.0.0.1") from None
-        raise LaunchSpecError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    if keep:
-        return s
-    s.close()
-    return None
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (another process may take it before you
-    bind; prefer binding to port 0 directly, e.g. zmq ``bind_to_random_port``)."""
-    family, socktype, proto, _, addr = _resolve_host(host, 0)
-    with socket.socket(family, socktype, proto) as s:
-        s.bind(addr)
-        return s.getsockname()[1]
-
-
 def _libc():
     if not sys.platform.startswith("linux"):
         return None
@@ -205,7 +159,7 @@ class Launcher:
     """Starts, watches and stops the worker processes of a launch plan.
 
     Args:
-        plan: pools from :func:`epd.launch_spec.build_launch_plan`.
+        plan: pools from :func:`epd.launch.spec.build_launch_plan`.
         model: model directory (or default-model name) passed to every worker; None omits ``--model``.
         router_endpoint: the router's ZeroMQ endpoint, e.g. ``tcp://127.0.0.1:5555``.
         threads_per_worker: fixed torch threads per worker process (also exported as
@@ -219,20 +173,14 @@ class Launcher:
         worker_cmd: tests only: a fixed argv for every worker, or a callable
             ``(role, instance_id, rank, tp) -> argv``, instead of ``epd worker``.
         log_dir: when set, each worker's stdout+stderr go to
-            ``<log_dir>/<instance_id>-rank<rank>.log`` instead of this process's.
+            ``<log_dir>/<instance_id>-rank0.log`` instead of this process's.
         ignore_sigint_in_children: children ignore SIGINT (see module doc).
-        rank0_spawns_ranks: start only rank 0 of each instance: ``epd worker`` rank 0
-            spawns ranks 1..tp-1 itself (its engine's ModelRunner processes, which
-            die with it by PDEATHSIG and share its staging memory), so the launcher
-            supervises one process per instance. ``slots`` still lists every rank
-            (devices, thread shares). ``epd launch`` uses this.
     """
 
     def __init__(self, plan: list[PoolSpec], *, model: str | None, router_endpoint: str,
                  threads_per_worker: int | None, extra_worker_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, worker_cmd: WorkerCmd | None = None,
-                 log_dir: str | os.PathLike | None = None, ignore_sigint_in_children: bool = True,
-                 rank0_spawns_ranks: bool = False):
+                 log_dir: str | os.PathLike | None = None, ignore_sigint_in_children: bool = True):
         self.plan = list(plan)
         self.model = model
         self.router_endpoint = router_endpoint
@@ -241,10 +189,10 @@ class Launcher:
         self.worker_cmd = worker_cmd
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.ignore_sigint_in_children = ignore_sigint_in_children
-        self.rank0_spawns_ranks = rank0_spawns_ranks
         self.slots = self._layout(self.plan)
         self.threads_per_worker = threads_per_worker
-        self.even_share = default_threads_per_worker(len(self.slots))
+        # every device runs one rank (a process), the ones rank 0 starts included
+        self.even_share = default_threads_per_worker(sum(pool.devices for pool in self.plan))
         if self.threads_per_worker is not None and self.threads_per_worker < 1:
             raise LaunchSpecError(f"threads per worker must be >= 1, got {threads_per_worker}")
         self.workers: list[WorkerProcess] = []  # every process started, exited ones included
@@ -254,38 +202,38 @@ class Launcher:
         self._stopped = False
         self._libc = _libc()
         self._parent_pid = os.getpid()
-        self._prev_handlers: dict[int, object] = {}
         self._signals_seen = 0
 
     # ---------------------------------------------------------------- layout
     @staticmethod
     def _layout(plan: list[PoolSpec]) -> list[_Slot]:
+        """One slot per instance, in launch order."""
         slots, dev = [], 0
         for pool in plan:
             tp = 1 if pool.role in (Role.ENCODE, Role.TTS) else pool.tp
             if pool.devices % tp:
                 raise LaunchSpecError(f"TP {tp} does not divide the {pool.devices} devices of the {pool.role} pool")
             for i in range(pool.devices // tp):
-                for rank in range(tp):
-                    slots.append(_Slot(pool.role, f"{pool.role}-{i}", rank, tp, dev))
-                    dev += 1
+                slots.append(_Slot(pool.role, f"{pool.role}-{i}", tp, dev))
+                dev += tp
         return slots
 
     @property
     def num_processes(self) -> int:
+        """Processes the launcher starts: one per instance."""
         return len(self.slots)
 
     def _argv(self, slot: _Slot) -> list[str]:
         if self.worker_cmd is None:
-            return worker_argv(slot.role, slot.instance_id, slot.rank, slot.tp, router_endpoint=self.router_endpoint,
+            return worker_argv(slot.role, slot.instance_id, 0, slot.tp, router_endpoint=self.router_endpoint,
                                model=self.model, threads=self._threads(slot), extra=self.extra_worker_args)
         if callable(self.worker_cmd):
-            return list(self.worker_cmd(slot.role, slot.instance_id, slot.rank, slot.tp))
+            return list(self.worker_cmd(slot.role, slot.instance_id, 0, slot.tp))
         return list(self.worker_cmd)
 
     def _threads(self, slot: _Slot) -> int | None:
         """``--threads`` of ``slot``'s process: the fixed setting, else None (the thread
-        budget) for a single-rank worker and the even share for a TP rank."""
+        budget) for a single-rank instance and the even share for a TP instance's ranks."""
         if self.threads_per_worker is not None:
             return self.threads_per_worker
         return self.even_share if slot.tp > 1 else None
@@ -297,7 +245,7 @@ class Launcher:
         env.setdefault("OMP_NUM_THREADS", n)
         env.setdefault("MKL_NUM_THREADS", n)
         env["EPD_INSTANCE_ID"] = slot.instance_id
-        env["EPD_RANK"] = str(slot.rank)
+        env["EPD_RANK"] = "0"
         env["EPD_DEVICE_INDEX"] = str(slot.device_index)
         env["EPD_LAUNCHER_PID"] = str(self._parent_pid)
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -328,7 +276,7 @@ class Launcher:
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{slot.instance_id}-rank{slot.rank}.log", "ab")
+            out = open(self.log_dir / f"{slot.instance_id}-rank0.log", "ab")
         try:
             popen = subprocess.Popen(argv, env=self._child_env(slot), stdin=subprocess.DEVNULL, stdout=out,
                                      stderr=subprocess.STDOUT if out is not None else None,
@@ -336,14 +284,13 @@ class Launcher:
         finally:
             if out is not None:
                 out.close()
-        wp = WorkerProcess(slot.role, slot.instance_id, slot.rank, popen, argv, tp=slot.tp,
-                           device_index=slot.device_index)
+        wp = WorkerProcess(slot.role, slot.instance_id, 0, popen, argv, tp=slot.tp, device_index=slot.device_index)
         logger.info("started %s: %s", wp.describe(), " ".join(argv))
         return wp
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Spawn one process per rank of every instance of the plan (call once, from the main thread)."""
+        """Spawn one process (rank 0) per instance of the plan (call once, from the main thread)."""
         with self._lock:
             if self.workers:
                 raise RuntimeError("Launcher.start() was already called")
@@ -352,8 +299,6 @@ class Launcher:
             for slot in self.slots:
                 if self._stopping:  # a signal handler stopped us meanwhile
                     break
-                if slot.rank and self.rank0_spawns_ranks:
-                    continue
                 self.workers.append(self._spawn(slot))
             if self._stopping:
                 self.stop()
@@ -393,7 +338,7 @@ class Launcher:
             if wp.returncode is None:
                 self._reaped(wp, wp.popen.returncode)
             self._reported.add(wp.pid)
-            slot = _Slot(wp.role, wp.instance_id, wp.rank, wp.tp, wp.device_index)
+            slot = _Slot(wp.role, wp.instance_id, wp.tp, wp.device_index)
             new = self._spawn(slot, wp.argv)
             self.workers.append(new)
             return new
@@ -426,23 +371,6 @@ class Launcher:
                     self._reaped(wp, wp.popen.wait(timeout=5.0))
             self._kill_descendants(descendants)
             self._stopped = True
-
-    def terminate(self, wp: WorkerProcess, timeout_s: float = 5.0) -> None:
-        """Stop one worker: SIGTERM, SIGKILL after ``timeout_s``, reap it and kill its
-        descendants (e.g. the surviving ranks of a TP instance being restarted whole)."""
-        with self._lock:
-            if wp.returncode is not None:
-                return
-            descendants = self._descendants([wp])
-            self._signal(wp.popen, signal.SIGTERM)
-            try:
-                rc = wp.popen.wait(timeout=max(0.0, timeout_s))
-            except subprocess.TimeoutExpired:
-                self._signal(wp.popen, signal.SIGKILL)
-                rc = wp.popen.wait(timeout=5.0)
-            self._reaped(wp, rc)
-            self._reported.add(wp.pid)
-            self._kill_descendants(descendants)
 
     def kill(self) -> None:
         """SIGKILL every live worker and reap it (the impatient second Ctrl-C)."""
@@ -517,16 +445,37 @@ class Launcher:
                 self.kill()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self._prev_handlers[sig] = signal.signal(sig, handler)
+            signal.signal(sig, handler)
 
-    def restore_signal_handlers(self) -> None:
-        """Put back the handlers :meth:`install_signal_handlers` replaced."""
-        for sig, prev in self._prev_handlers.items():
-            signal.signal(sig, prev)
-        self._prev_handlers.clear()
 
-    def __enter__(self) -> Launcher:
-        return self
+async def supervise(launcher: Launcher, router, max_restarts: int, poll_s: float = MONITOR_S) -> None:
+    """Watch the worker processes while serving: a worker that exits is marked dead
+    in the router at once (its in-flight requests retry or migrate without waiting
+    for the heartbeat timeout) and restarted, up to ``max_restarts`` times per
+    instance; the restarted worker rejoins under the same instance id when it
+    reports ready. A TP instance's other ranks die with its rank 0 (PDEATHSIG), and
+    the new rank 0 starts them again. Runs until cancelled."""
+    from epd import metrics
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    m = metrics.get_metrics()
+    restarts: dict[str, int] = {}
+    while True:
+        await asyncio.sleep(poll_s)
+        try:
+            dead = launcher.poll_dead()
+            if not dead or launcher.stopping:
+                continue
+            for wp in dead:  # one process per instance
+                inst = wp.instance_id
+                print(f"epd: worker {wp.describe()}; its requests retry or migrate", file=sys.stderr, flush=True)
+                router.mark_dead(inst)  # the router counts the failure (epd_worker_failures_total) once
+                if restarts.get(inst, 0) >= max_restarts:
+                    print(f"epd: not restarting {inst} (restarted {restarts.get(inst, 0)} times, "
+                          f"--max-worker-restarts {max_restarts})", file=sys.stderr, flush=True)
+                    continue
+                restarts[inst] = restarts.get(inst, 0) + 1
+                launcher.restart(wp)
+                m.worker_restarts.labels(pool=wp.role, instance=inst).inc()
+                print(f"epd: restarted {inst} ({restarts[inst]}/{max_restarts})", file=sys.stderr, flush=True)
+        except Exception:  # supervision must outlive any one failure
+            logger.exception("worker supervision")

@@ -21,13 +21,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from epd.roles import Role
+from epd.roles import ROLE_SHORT, Role
 
 __all__ = ["LaunchSpecError", "PoolSpec", "ROLES", "parse_pools", "parse_tp", "build_launch_plan"]
 
 #: canonical roles, in launch order
 ROLES = tuple(Role)
-ROLE_SHORT = {Role.ENCODE: "e", Role.PREFILL: "p", Role.DECODE: "d", Role.PD: "pd", Role.TTS: "t"}
 #: pools that may be 0 (dropped: no such pool) and take no TP: one device per instance
 OPTIONAL_POOLS = (Role.ENCODE, Role.TTS)
 _ALIASES = {
