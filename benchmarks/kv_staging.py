@@ -81,7 +81,7 @@ def measure(length: int, src_tp: int, dst_tp: int, seed: int = 0) -> dict:
     pack_s, unpack_s, gather_s = _best(pack), _best(unpack), _best(gather)
     pack()
     unpack()
-    for q, (k, v) in enumerate(dst):  # the round trip is exact
+    for q, (k, _v) in enumerate(dst):  # the round trip is exact
         want = torch.cat([sk for sk, _ in src], dim=3)[:, src_ids, :, q * hd:(q + 1) * hd]
         assert torch.equal(k[:, dst_ids], want)
     return {"length": length, "src_tp": src_tp, "dst_tp": dst_tp, "blocks": n, "kv_bytes": nbytes,

@@ -36,6 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import git_commit  # noqa: E402
+
 from tests.cluster.netns import Cluster, netns_available  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

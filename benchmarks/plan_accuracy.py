@@ -39,10 +39,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, load_avg, serve_epd  # noqa: E402
-
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
+from _common import ROOT, load_avg, serve_epd  # noqa: E402
 
 from epd.metrics import KV_TRANSFER, PREFILL, PREFILL_QUEUE, TTFT  # noqa: E402
 from epd.ops.plan.fit import PrefillFit, load_profile  # noqa: E402

@@ -9,10 +9,16 @@ Prints one JSON line.
     python benchmarks/profile_decode_step.py bfloat16 32 after
 """
 
-import sys, time, json, torch
+import json
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from epd import LLM, SamplingParams
 from epd.models.checkpoints import resolve_model
-from torch.profiler import profile, ProfilerActivity
+
 dtype = sys.argv[1]; B = int(sys.argv[2]); label = sys.argv[3]
 torch.set_num_threads(2)
 llm = LLM(str(resolve_model(None)), dtype=dtype, kv_cache_memory_gb=0.5)

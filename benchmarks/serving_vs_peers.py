@@ -110,9 +110,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from _common import (ROOT, fmt_ms, fmt_ratio, free_port, git_commit, load_avg, machine_busy_s, start_server,
-                     stop_server)
+from _common import ROOT, fmt_ms, fmt_ratio, free_port, git_commit, load_avg, machine_busy_s, start_server, stop_server
 
 sys.path.insert(0, str(ROOT))
 

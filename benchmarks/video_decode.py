@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['case']:<42} {r['bytes']:>9} {r['p50_ms']:>8.2f} {r['max_ms']:>8.2f}  {r['error'][:70]}")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "commit": git_commit(), "machine": platform.machine(), "python": platform.python_version(),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "decode": rows, "refusals": refusals}

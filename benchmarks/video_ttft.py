@@ -312,7 +312,7 @@ def ttft_served(model: Path, pools: str, args, loads, log: Path) -> dict:
         # a text request sent while a video request is in its encode stage
         video_runs = loads[next(k for k in loads if k.startswith("video"))]
         alone, beside = [], []
-        for i, (_, videos) in enumerate(video_runs):
+        for i, (_, _videos) in enumerate(video_runs):
             alone.append(_stream_ttft(client, name, [{"type": "text", "text": f"Say something {i}."}])[0])
             fresh = [mp4(5000 + i, args.ttft_video_s)]
             th = threading.Thread(target=_stream_ttft, args=(client, name, content([], fresh)))
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(min {1e3 * min(r['ttft_s']):.0f}), {r['prompt_tokens']} prompt tokens")
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "commit": git_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
               "python": platform.python_version(),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -272,7 +272,7 @@ async def measure_vad_barge_in(url: str, questions: list[bytes], trials: int, ar
                 await conn.input_audio_buffer.append(audio=base64.b64encode(audio[off:off + step]).decode())
             try:
                 await receiver
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RuntimeError(f"barge-in trial {i}: no answer to the interrupting turn; events: {seen}") from None
             if "done" in stamps:
                 out.append({"speech_started_to_done_s": stamps["done"] - stamps["started"], "status": stamps["status"]})

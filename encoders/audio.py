@@ -19,8 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from epd.encoders.media_limits import (CorruptMediaError, EmptyMediaError, MediaLimits, MediaTooLargeError,
-                                       UnsupportedMediaError, as_bytes)
+from epd.encoders.media_limits import (
+    CorruptMediaError,
+    EmptyMediaError,
+    MediaLimits,
+    MediaTooLargeError,
+    UnsupportedMediaError,
+    as_bytes,
+)
 
 __all__ = ["AUDIO_FORMATS", "decode_audio", "normalize_audio"]
 

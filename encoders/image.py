@@ -21,8 +21,14 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from epd.encoders.media_limits import (CorruptMediaError, EmptyMediaError, MediaLimits, MediaTooLargeError,
-                                       UnsupportedMediaError, as_bytes)
+from epd.encoders.media_limits import (
+    CorruptMediaError,
+    EmptyMediaError,
+    MediaLimits,
+    MediaTooLargeError,
+    UnsupportedMediaError,
+    as_bytes,
+)
 
 __all__ = ["IMAGE_FORMATS", "MAX_JPEG_SCANS", "decode_image", "normalize_image"]
 

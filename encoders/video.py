@@ -41,8 +41,15 @@ from typing import Any
 
 import numpy as np
 
-from epd.encoders.media_limits import (CorruptMediaError, EmptyMediaError, MediaError, MediaLimits,
-                                       MediaTooLargeError, UnsupportedMediaError, as_bytes)
+from epd.encoders.media_limits import (
+    CorruptMediaError,
+    EmptyMediaError,
+    MediaError,
+    MediaLimits,
+    MediaTooLargeError,
+    UnsupportedMediaError,
+    as_bytes,
+)
 
 __all__ = ["VIDEO_CODECS", "VIDEO_CONTAINERS", "VIDEO_PLACEHOLDER", "DecodedVideo", "VideoFrame", "VideoHeader",
            "VideoSampling", "decode_video", "normalize_video", "sniff_video"]

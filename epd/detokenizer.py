@@ -68,7 +68,7 @@ class _TokenizerInfo:
         }
 
 
-_INFO_CACHE: "weakref.WeakKeyDictionary[Any, _TokenizerInfo]" = weakref.WeakKeyDictionary()
+_INFO_CACHE: weakref.WeakKeyDictionary[Any, _TokenizerInfo] = weakref.WeakKeyDictionary()
 
 
 def _tokenizer_info(tokenizer: Any) -> _TokenizerInfo:

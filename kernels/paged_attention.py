@@ -374,7 +374,7 @@ _MAX_TILE = 4096  # fp32 elements of one [BLOCK_G, TOKENS, BLOCK_D] product in t
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float, kv_quant: str | None = None, channel_k: bool = False,
-                                  resid: "KResidual | None" = None) -> torch.Tensor:
+                                  resid: KResidual | None = None) -> torch.Tensor:
     """Triton version of :func:`paged_decode_attention_ref` (same arguments and result, for a
     quantized cache those of the reference on the dequantized cache: see below).
 
@@ -442,7 +442,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, kv_quant: str | None = None, channel_k: bool = False,
-                           resid: "KResidual | None" = None) -> torch.Tensor:
+                           resid: KResidual | None = None) -> torch.Tensor:
     """Paged decode attention: Triton when all tensors are on CUDA and triton imports, else
     :func:`paged_decode_attention_ref`. q ``[num_seqs, num_heads, head_dim]``, caches
     ``[num_blocks, block_size, num_kv_heads, head_dim]``, block_tables

@@ -33,8 +33,20 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
-from epd.messages import (Abort, AudioChunk, EmbeddingRef, EncodeDone, EncodeRequest, GenerateRequest, KVReserved,
-                          PrefillDone, PrefillRequest, ReserveKV, SynthesizeRequest, TokenOutput)
+from epd.messages import (
+    Abort,
+    AudioChunk,
+    EmbeddingRef,
+    EncodeDone,
+    EncodeRequest,
+    GenerateRequest,
+    KVReserved,
+    PrefillDone,
+    PrefillRequest,
+    ReserveKV,
+    SynthesizeRequest,
+    TokenOutput,
+)
 from epd.roles import Role
 from epd.router.encode_split import plan_encode
 from epd.router.mailbox import Mailbox

@@ -24,8 +24,18 @@ import zmq.asyncio
 
 from epd.cluster_auth import ClusterKeys
 from epd.kernels.kv_quant import KV_QUANT
-from epd.messages import (Draining, Heartbeat, Message, PeerGone, PeerInfo, Registered, RegistrationRefused,
-                          RouterPing, WorkerReady, encode)
+from epd.messages import (
+    Draining,
+    Heartbeat,
+    Message,
+    PeerGone,
+    PeerInfo,
+    Registered,
+    RegistrationRefused,
+    RouterPing,
+    WorkerReady,
+    encode,
+)
 from epd.roles import Role
 
 logger = logging.getLogger(__name__)

@@ -34,10 +34,19 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from epd.multimodal import MediaItem
 from epd.cluster_auth import ClusterKeys
-from epd.messages import (ROUTER_PING_S, ROUTER_TIMEOUT_S, Draining, Heartbeat, KVEvents, Shutdown, StatsRequest,
-                          WorkerReady, WorkerStats)
+from epd.messages import (
+    ROUTER_PING_S,
+    ROUTER_TIMEOUT_S,
+    Draining,
+    Heartbeat,
+    KVEvents,
+    Shutdown,
+    StatsRequest,
+    WorkerReady,
+    WorkerStats,
+)
+from epd.multimodal import MediaItem
 from epd.roles import Role
 from epd.router.encode_split import VIDEO_ENCODE_SPLITS
 from epd.router.kv_index import KVIndex
@@ -47,7 +56,6 @@ from epd.router.policies import RoutingPolicy, build_policy
 from epd.router.recovery import KV_FAILURE_POLICIES, Recovery, check_policy
 from epd.router.registry import PoolRegistry, WorkerHandle
 from epd.router.request import RequestError, RequestState, RequestStates, RouterRequest, TokenEvent
-
 
 __all__ = ["KV_FAILURE_POLICIES", "RequestError", "RequestState", "Router", "RouterRequest", "TokenEvent"]
 
@@ -282,7 +290,7 @@ class Router:
                 return {}
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 acc = dict(self._stats_waiters[token][1])
                 for w in workers:
                     acc.setdefault(w.instance_id, {"unresponsive": 1})

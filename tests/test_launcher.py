@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from epd.launch.spec import LaunchSpecError, PoolSpec, build_launch_plan
 from epd.launch.ports import check_port_free, find_free_port
+from epd.launch.spec import LaunchSpecError, PoolSpec, build_launch_plan
 from epd.launch.supervisor import Launcher, default_threads_per_worker, worker_argv
 
 psutil = pytest.importorskip("psutil")

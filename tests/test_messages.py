@@ -8,9 +8,17 @@ import msgspec
 import pytest
 import torch
 
+from epd.messages import (
+    EncodeRequest,
+    GenerateRequest,
+    MessageError,
+    PrefillRequest,
+    ReserveKV,
+    TensorBlob,
+    decode,
+    encode,
+)
 from epd.messages import tensors as messages
-from epd.messages import (EncodeRequest, GenerateRequest, MessageError, PrefillRequest, ReserveKV, TensorBlob, decode,
-                          encode)
 from epd.multimodal import MediaItem, Placeholder
 from epd.sampling_params import SamplingParams
 

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from epd.models import checkpoints as model_files, tiny
+from epd.models import checkpoints as model_files
+from epd.models import tiny
 from epd.models.checkpoints import (
     DEFAULT_MODEL,
     MARKER_FILE,

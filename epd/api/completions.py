@@ -18,10 +18,17 @@ from fastapi.responses import Response
 
 from epd.api.chat_prompt import ChatPromptRenderer
 from epd.api.constraints import ConstraintChecker, requested_constraint
-from epd.api.tools import ToolPlan, tool_plan
-from epd.api.protocol import (BadRequest, ChatRequest, CompletionRequest, SamplingFields, error_response,
-                              check_body, too_many_requests)
+from epd.api.protocol import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+    check_body,
+    error_response,
+    too_many_requests,
+)
 from epd.api.streaming import Choice, CompletionResponder, RequestTimer
+from epd.api.tools import ToolPlan, tool_plan
 from epd.detokenizer import IncrementalDetokenizer
 from epd.encoders.media_limits import MediaError
 from epd.encoders.processor import MultiModalProcessor, ProcessedPrompt

@@ -153,7 +153,7 @@ class MediaFetcher:
                                      modality=modality)
                 chunks.append(chunk)
             return resp.status, None, b"".join(chunks)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise MediaError(f"fetching the {modality} URL took longer than {self.timeout_s} s",
                              modality=modality) from None
         except (OSError, http.client.HTTPException) as e:

@@ -29,8 +29,14 @@ from epd.api.chat_prompt import ChatPromptRenderer
 from epd.api.completions import ApiState, CompletionService
 from epd.api.logprobs import LogprobFormatter
 from epd.api.media_fetch import MediaFetcher
-from epd.api.protocol import (ChatRequest, CompletionRequest, error_body, error_response, invalid_field,
-                              too_many_requests)
+from epd.api.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    error_body,
+    error_response,
+    invalid_field,
+    too_many_requests,
+)
 from epd.api.streaming import CompletionResponder
 from epd.encoders.processor import MultiModalProcessor
 from epd.launch.config import LaunchConfig

@@ -64,7 +64,7 @@ class RequestRecord:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "RequestRecord":
+    def from_json(cls, d: dict) -> RequestRecord:
         names = cls.__dataclass_fields__.keys()
         return cls(**{k: v for k, v in d.items() if k in names})
 

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -224,7 +224,7 @@ async def run_at_rate(cfg: BenchConfig, client, model: str, specs: list[RequestS
             client, model, spec, rec, ignore_eos=cfg.ignore_eos, include_usage=cfg.include_usage)
         try:
             await asyncio.wait_for(send, cfg.request_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             rec.ok, rec.error = False, f"timed out after {cfg.request_timeout_s} s"
 
     records, start = await send_open_loop(specs, times, _send, max_concurrency=cfg.max_concurrency,
@@ -302,7 +302,7 @@ async def run_bench(cfg: BenchConfig) -> dict:
         per_word, per_word_from = ((cfg.tokens_per_word, "given") if cfg.tokens_per_word is not None
                                    else served_tokens_per_word(model))
         text = TextMaker(per_word)
-        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        started = datetime.now(UTC).isoformat(timespec="seconds")
         load_before = _load()
         for w in range(cfg.warmup):
             wspec = build_requests(cfg.workload if cfg.workload != "trace" else "chat", 1, cfg.options,

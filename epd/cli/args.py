@@ -8,10 +8,16 @@ from __future__ import annotations
 import argparse
 
 from epd.cli.validators import non_negative_float, positive_float, positive_int
-from epd.launch.config import (DTYPE_NAMES, KV_CACHE_DTYPE_NAMES, KV_FAILURE_POLICIES, ROUTING_POLICIES,
-                               TOOL_CALL_PARSERS, VIDEO_ENCODE_SPLITS, LaunchConfig)
+from epd.launch.config import (
+    DTYPE_NAMES,
+    KV_CACHE_DTYPE_NAMES,
+    KV_FAILURE_POLICIES,
+    ROUTING_POLICIES,
+    TOOL_CALL_PARSERS,
+    VIDEO_ENCODE_SPLITS,
+    LaunchConfig,
+)
 from epd.roles import Role
-
 
 KV_CACHE_DTYPE_HELP = ("KV cache: auto (the model's dtype), or quantized, int8 or fp8_e4m3 (fp8): 1 byte a value "
                         "plus 4 bytes per 16 values of each token and KV head (int8: a float16 scale and min, and a "

@@ -60,8 +60,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from transformers import AutoConfig
 
-    from epd.launch.spec import build_launch_plan
     from epd.launch.ports import check_port_free
+    from epd.launch.spec import build_launch_plan
     from epd.models.checkpoints import resolve_model
 
     t0 = time.monotonic()

@@ -40,10 +40,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """``epd serve``: the router and the API only; workers join with ``epd worker``."""
     import asyncio
 
-    from epd.launch.api_process import serve
     from epd.cluster_auth import load_keys, require_keys
-    from epd.launch.spec import parse_pools
+    from epd.launch.api_process import serve
     from epd.launch.ports import check_port_free
+    from epd.launch.spec import parse_pools
     from epd.models.checkpoints import resolve_model
 
     t0 = time.monotonic()

@@ -94,9 +94,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from epd.workers import WorkerArgs, run_worker
-
     from epd.cluster_auth import load_keys, require_keys
+    from epd.workers import WorkerArgs, run_worker
 
     for name, env in (("instance_id", "EPD_INSTANCE_ID"), ("router", "EPD_ROUTER")):
         if not getattr(args, name):

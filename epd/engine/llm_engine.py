@@ -16,15 +16,15 @@ from epd.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.block_manager import BlockManager
 from epd.engine.grammar import GrammarCompiler
+from epd.engine.input_batch import InputBatch
 from epd.engine.kv_connector_base import KVConnectorHooks, KVRunnerFactory
 from epd.engine.model_runner import ModelRunner, engine_config_to_json, free_port, rank_device, tp_worker_main
 from epd.engine.scheduler import Scheduler
-from epd.engine.input_batch import InputBatch
 from epd.errors import InvalidRequestError
 from epd.layers.sampler import Sampler, skip_draws, token_logprobs
+from epd.multimodal import Placeholder
 from epd.outputs import CompletionOutput, RequestOutput
 from epd.sampling_params import SamplingParams
-from epd.multimodal import Placeholder
 from epd.sequence import Sequence
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from epd.engine.step_input import StepInput, step_layout
 from epd.kernels.kv_quant import channel_fill_plan
 from epd.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 from epd.messages import KVRankMessage, Shutdown
-from epd.models.registry import get_model_class
 from epd.models.loader import load_weights
+from epd.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 

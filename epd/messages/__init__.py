@@ -32,26 +32,70 @@ Flow (see docs/architecture.md, "Wire messages"):
 """
 
 from epd.messages.base import (
-    Region, MessageError, Shutdown,
-)
-from epd.messages.tensors import (
-    MAX_TENSOR_BYTES, TensorBlob, typed_view,
-)
-from epd.messages.kv_layout import (
-    RankKV, KVLayout,
-)
-from epd.messages.kv_notifs import (
-    KVReady, KVWriterDone, KVWriterFenced,
+    MessageError,
+    Region,
+    Shutdown,
 )
 from epd.messages.control import (
-    TokenLogprob, WorkerReady, Heartbeat, KVEvents, PeerInfo, TemporalRange, EncodeRequest, EmbeddingRef,
-    EncodeDone, ReserveKV, KVReserved, PrefillRequest, PrefillDone, GenerateRequest, TokenOutput,
-    MAX_TTS_TEXT_CHARS, MAX_AUDIO_CHUNK_BYTES, SynthesizeRequest, AudioChunk, RequestFailed, Abort, PeerGone,
-    ReleaseEmbeddings, StatsRequest, WorkerStats, Registered, RegistrationRefused, ROUTER_PING_S,
-    ROUTER_TIMEOUT_S, RouterPing, Draining, Message, encode, decode,
+    MAX_AUDIO_CHUNK_BYTES,
+    MAX_TTS_TEXT_CHARS,
+    ROUTER_PING_S,
+    ROUTER_TIMEOUT_S,
+    Abort,
+    AudioChunk,
+    Draining,
+    EmbeddingRef,
+    EncodeDone,
+    EncodeRequest,
+    GenerateRequest,
+    Heartbeat,
+    KVEvents,
+    KVReserved,
+    Message,
+    PeerGone,
+    PeerInfo,
+    PrefillDone,
+    PrefillRequest,
+    Registered,
+    RegistrationRefused,
+    ReleaseEmbeddings,
+    RequestFailed,
+    ReserveKV,
+    RouterPing,
+    StatsRequest,
+    SynthesizeRequest,
+    TemporalRange,
+    TokenLogprob,
+    TokenOutput,
+    WorkerReady,
+    WorkerStats,
+    decode,
+    encode,
+)
+from epd.messages.kv_layout import (
+    KVLayout,
+    RankKV,
+)
+from epd.messages.kv_notifs import (
+    KVReady,
+    KVWriterDone,
+    KVWriterFenced,
+)
+from epd.messages.tensors import (
+    MAX_TENSOR_BYTES,
+    TensorBlob,
+    typed_view,
 )
 from epd.messages.tp import (
-    KVUnpack, RankTarget, RankSend, KVPlan, KVPoll, KVRelease, RankPeer, RankPeers, KVRankMessage,
+    KVPlan,
+    KVPoll,
+    KVRankMessage,
+    KVRelease,
+    KVUnpack,
+    RankPeer,
+    RankPeers,
+    RankSend,
+    RankTarget,
 )
 
 __all__ = [

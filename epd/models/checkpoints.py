@@ -17,8 +17,8 @@ marker file and renamed into place atomically; a ``fcntl.flock`` on a lock file 
 from __future__ import annotations
 
 import contextlib
-import functools
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json

@@ -9,8 +9,17 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from epd.messages import (KVReady, KVReserved, KVWriterDone, KVWriterFenced, Message, MessageError, RequestFailed,
-                          ReserveKV, decode)
+from epd.messages import (
+    KVReady,
+    KVReserved,
+    KVWriterDone,
+    KVWriterFenced,
+    Message,
+    MessageError,
+    RequestFailed,
+    ReserveKV,
+    decode,
+)
 from epd.outputs import RequestOutput
 from epd.transfer.kv_connector import KVReceiver
 from epd.transfer.nixl_transport import NixlTransport

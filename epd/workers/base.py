@@ -38,10 +38,28 @@ import torch
 import zmq
 
 from epd.cluster_auth import ClusterKeys
-from epd.messages import (ROUTER_TIMEOUT_S, Abort, Draining, Heartbeat, Message, MessageError, PeerGone, PeerInfo, Region, Registered,
-                          RegistrationRefused, RequestFailed, RouterPing, Shutdown, StatsRequest, WorkerReady,
-                          WorkerStats, decode, encode)
 from epd.errors import CapacityError, error_status
+from epd.messages import (
+    ROUTER_TIMEOUT_S,
+    Abort,
+    Draining,
+    Heartbeat,
+    Message,
+    MessageError,
+    PeerGone,
+    PeerInfo,
+    Region,
+    Registered,
+    RegistrationRefused,
+    RequestFailed,
+    RouterPing,
+    Shutdown,
+    StatsRequest,
+    WorkerReady,
+    WorkerStats,
+    decode,
+    encode,
+)
 from epd.roles import Role
 
 logger = logging.getLogger(__name__)

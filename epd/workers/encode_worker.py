@@ -83,7 +83,7 @@ class EncodeWorker(BaseWorker):
         self.send(EncodeDone(rid, self.instance_id, refs, encode_s=time.monotonic() - t0))
 
     def poll(self) -> None:
-        for peer, notifs in self.transport.get_notifs().items():
+        for _peer, notifs in self.transport.get_notifs().items():
             for raw in notifs:
                 try:
                     msg = decode(raw)

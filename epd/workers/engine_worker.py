@@ -9,9 +9,17 @@ import torch
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
-from epd.messages import (EmbeddingRef, ReleaseEmbeddings, RequestFailed, TokenLogprob,
-                          TokenOutput, encode, typed_view)
-from epd.messages import Heartbeat, KVEvents
+from epd.messages import (
+    EmbeddingRef,
+    Heartbeat,
+    KVEvents,
+    ReleaseEmbeddings,
+    RequestFailed,
+    TokenLogprob,
+    TokenOutput,
+    encode,
+    typed_view,
+)
 from epd.models.checkpoints import resolve_model
 from epd.multimodal import Placeholder
 from epd.roles import Role

@@ -39,8 +39,8 @@ from epd.api.realtime.transcribe import Transcriber
 from epd.api.server import ApiSettings, build_http_app
 from epd.encoders.processor import MultiModalProcessor, ProcessedPrompt
 from epd.errors import CapacityError
-from epd.multimodal import MediaItem
 from epd.models.tiny import build_tiny_tokenizer, create_tiny_model
+from epd.multimodal import MediaItem
 
 #: how long a probed call waits for the loop; only a call made on the loop itself waits this long
 GUARD_S = 10.0

@@ -24,12 +24,12 @@ import uvicorn
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from epd.api.realtime import session as realtime
 from epd.api.app import build_app
+from epd.api.realtime import session as realtime
 from epd.api.server import ApiSettings
 from epd.encoders.processor import ProcessedPrompt
-from epd.router.request import TokenEvent
 from epd.models.tiny import build_tiny_tokenizer
+from epd.router.request import TokenEvent
 
 WAIT_S = 60  # a generous bound for things that must happen, never a latency check
 

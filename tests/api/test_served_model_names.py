@@ -35,8 +35,8 @@ def test_aliases_are_served_and_listed_and_other_names_are_404():
 
 
 def test_the_flag_reaches_the_api_settings():
-    from epd.launch.api_process import api_settings
     from epd.cli import build_parser
+    from epd.launch.api_process import api_settings
     from epd.launch.config import LaunchConfig
 
     args = build_parser().parse_args(["launch", "--served-model-name", "smol", "gpt-4o", "gpt-realtime"])

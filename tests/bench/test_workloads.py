@@ -6,8 +6,17 @@ import io
 import numpy as np
 import pytest
 
-from epd.bench.workloads import (VOICE_RATE, WORDS, TextMaker, WorkloadOptions, build_requests, calibrate, pcm16,
-                                 spec_summary, steady_share)
+from epd.bench.workloads import (
+    VOICE_RATE,
+    WORDS,
+    TextMaker,
+    WorkloadOptions,
+    build_requests,
+    calibrate,
+    pcm16,
+    spec_summary,
+    steady_share,
+)
 
 
 def test_steady_share():

@@ -24,12 +24,21 @@ import torch
 import zmq
 
 from epd import LLM, SamplingParams
-from epd.messages import (Abort, EncodeRequest, KVEvents, Registered, RegistrationRefused, Shutdown, WorkerReady,
-                          decode, encode)
-from epd.multimodal import MediaItem
+from epd.messages import (
+    Abort,
+    EncodeRequest,
+    KVEvents,
+    Registered,
+    RegistrationRefused,
+    Shutdown,
+    WorkerReady,
+    decode,
+    encode,
+)
 from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
-from tests.cluster.netns import Cluster, netns_available
+from epd.multimodal import MediaItem
 from tests.cluster.deployment import Deployment
+from tests.cluster.netns import Cluster, netns_available
 from tests.conftest import metric_sum
 from tests.serving.media import data_url, png
 

@@ -109,7 +109,7 @@ def overlay_and_components(name: str) -> tuple[str, tuple[str, ...]]:
     return overlay, tuple(comps)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kustomization_dir(name: str) -> Path:
     """The directory ``kubectl kustomize`` renders for ``name``: ``deploy/overlays/<overlay>``,
     or for ``<overlay>+<component>`` that overlay in a copy of deploy/ (one per variant, for
@@ -133,7 +133,7 @@ def pools_of(name: str) -> tuple[str, ...]:
     return POOLS + tuple(OPT_IN_POOLS[c] for c in overlay_and_components(name)[1])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render_cached(name: str) -> str:
     return json.dumps(kustomize(kustomization_dir(name)))
 
@@ -280,10 +280,9 @@ def schema_registry():
     K8S_VERSION (https://kubernetes.io/api/_definitions.json, used by the vendored CRD schemas)."""
     import importlib.resources
 
+    import kubernetes_validate.utils as kvu
     import referencing
     import referencing.jsonschema
-
-    import kubernetes_validate.utils as kvu
 
     versions = [v for v in kvu.all_versions() if kvu.major_minor(v) <= kvu.major_minor(K8S_VERSION)]
     assert versions, f"kubernetes-validate has no schemas for {K8S_VERSION}"

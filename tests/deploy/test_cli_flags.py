@@ -13,8 +13,18 @@ import re
 
 import pytest
 
-from tests.deploy.manifests import (EPD_ENV, HELPER_ENV, RENDERED, ROOT, UCX_ENV, container_env, containers,
-                                    expand, render, unresolved_vars)
+from tests.deploy.manifests import (
+    EPD_ENV,
+    HELPER_ENV,
+    RENDERED,
+    ROOT,
+    UCX_ENV,
+    container_env,
+    containers,
+    expand,
+    render,
+    unresolved_vars,
+)
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

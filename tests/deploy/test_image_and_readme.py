@@ -76,7 +76,6 @@ def test_readme_secret_commands_match_the_manifests_and_epd_keys(tmp_path):
     assert files == {"cluster.key", "cluster.key_secret"}
     assert "epd keys generate" in readme
     from epd.cli import build_parser
-
     from epd.cluster_auth import generate_keys, load_keys
 
     build_parser().parse_args(["keys", "generate", str(tmp_path)])  # the documented command exists

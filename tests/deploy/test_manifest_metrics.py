@@ -20,8 +20,22 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-from tests.deploy.manifests import (COUNTERS, DEPLOY, GAUGES, HISTOGRAMS, METRIC_NAMES, OVERLAYS, base_metric,
-                                    by_kind, container_env, expand, metric_tokens, one, pod_template, render)
+from tests.deploy.manifests import (
+    COUNTERS,
+    DEPLOY,
+    GAUGES,
+    HISTOGRAMS,
+    METRIC_NAMES,
+    OVERLAYS,
+    base_metric,
+    by_kind,
+    container_env,
+    expand,
+    metric_tokens,
+    one,
+    pod_template,
+    render,
+)
 
 DASHBOARD = DEPLOY / "grafana" / "epd-dashboard.json"
 

@@ -10,8 +10,22 @@ from collections import Counter
 import pytest
 
 from tests.deploy import manifests
-from tests.deploy.manifests import (DEPLOY, OVERLAYS, POOLS, RENDERED, VARIANTS, by_kind, container_env, containers,
-                                    kustomization_dir, kustomize, pod_templates, pools_of, render, workloads)
+from tests.deploy.manifests import (
+    DEPLOY,
+    OVERLAYS,
+    POOLS,
+    RENDERED,
+    VARIANTS,
+    by_kind,
+    container_env,
+    containers,
+    kustomization_dir,
+    kustomize,
+    pod_templates,
+    pools_of,
+    render,
+    workloads,
+)
 
 
 def test_missing_kubectl_fails_with_a_clear_message(monkeypatch, tmp_path):

@@ -10,8 +10,17 @@ import json
 import jsonschema
 import pytest
 
-from tests.deploy.manifests import (CRD_SCHEMAS, K8S_VERSION, RENDERED, SCHEMAS, by_kind, crd_validator, one,
-                                    overlay_and_components, render)
+from tests.deploy.manifests import (
+    CRD_SCHEMAS,
+    K8S_VERSION,
+    RENDERED,
+    SCHEMAS,
+    by_kind,
+    crd_validator,
+    one,
+    overlay_and_components,
+    render,
+)
 
 
 def _validate_builtin(doc: dict) -> None:

@@ -9,9 +9,27 @@ import re
 
 import pytest
 
-from tests.deploy.manifests import (LWS_GROUP_INDEX_FIELD, POOLS, RENDERED, VARIANTS, by_kind, container_env,
-                                    containers, flag_value, metric_tokens, one, parse_pools, pod_labels,
-                                    pod_template, pod_templates, pool_of, pools_of, render, selects, workloads)
+from tests.deploy.manifests import (
+    LWS_GROUP_INDEX_FIELD,
+    POOLS,
+    RENDERED,
+    VARIANTS,
+    by_kind,
+    container_env,
+    containers,
+    flag_value,
+    metric_tokens,
+    one,
+    parse_pools,
+    pod_labels,
+    pod_template,
+    pod_templates,
+    pool_of,
+    pools_of,
+    render,
+    selects,
+    workloads,
+)
 
 
 def _pods(docs):

@@ -332,7 +332,7 @@ def test_pixel_limit_checked_before_any_pillow_parser(monkeypatch, astronaut):
         "WEBP-VP8X": encode(Image.fromarray(astronaut).convert("RGBA"), "WEBP"),
     }
     monkeypatch.setattr(Image, "open", no_open)
-    for name, data in variants.items():
+    for _name, data in variants.items():
         with pytest.raises(MediaTooLargeError):
             decode_image(data, limits=small)
 

@@ -139,8 +139,9 @@ def test_real_images_decode_and_encode(llava_dir):
 
     skimage_data = pytest.importorskip("skimage.data")
     proc = _processor(llava_dir)
-    from epd.encoders.encoder_runner import EncoderRunner
     from transformers import AutoConfig
+
+    from epd.encoders.encoder_runner import EncoderRunner
 
     runner = EncoderRunner(llava_dir, AutoConfig.from_pretrained(llava_dir))
     with cbook.get_sample_data("grace_hopper.jpg") as f:

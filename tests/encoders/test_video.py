@@ -9,8 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from epd.encoders.media_limits import (CorruptMediaError, EmptyMediaError, MediaLimits, MediaTooLargeError,
-                                       UnsupportedMediaError)
+from epd.encoders.media_limits import (
+    CorruptMediaError,
+    EmptyMediaError,
+    MediaLimits,
+    MediaTooLargeError,
+    UnsupportedMediaError,
+)
 from epd.encoders.video import VideoSampling, decode_video, normalize_video
 from tests.encoders.video_files import audio_only_mp4, frame_pixels, video, with_declared_frames
 

@@ -16,11 +16,11 @@ import torch
 from transformers import AutoConfig
 
 from epd.encoders.encoder_runner import EncoderRunner
-from epd.messages import MessageError
-from epd.router.encode_split import chunk_item
 from epd.encoders.processor import MultiModalProcessor
 from epd.encoders.video import VideoSampling
+from epd.messages import MessageError
 from epd.models.tiny import create_tiny_model
+from epd.router.encode_split import chunk_item
 from tests.encoders.video_files import video
 
 CLIP = video(frames=16, fps=4, size=(40, 56),

@@ -17,9 +17,9 @@ from epd import LLM, SamplingParams
 from epd.engine.block_manager import BlockManager
 from epd.engine.scheduler import Scheduler
 from epd.messages import KVReserved, ReserveKV
+from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from epd.multimodal import Placeholder
 from epd.sequence import Sequence, SequenceStatus
-from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from epd.transfer.kv_receiver import NixlKVReceiver
 
 BS = 4

@@ -70,7 +70,7 @@ def test_steps_from_changes_equal_the_per_token_definition():
             row = lay.decode_block_tables[k].tolist()
             bt = s.seq.block_table
             assert row[:len(bt)] == bt and set(row[len(bt):]) <= {-1}
-        for (q0, n, ctx, bt), s in zip(lay.prefills, order[len(decodes):]):
+        for (_q0, n, ctx, bt), s in zip(lay.prefills, order[len(decodes):]):
             assert (n, ctx) == (s.num_tokens, s.start + s.num_tokens)
             assert bt.tolist() == s.seq.block_table[:-(-ctx // BS)]
         # Changes only: a row already sent gets just its blocks past what it had.
@@ -90,7 +90,7 @@ def test_steps_from_changes_equal_the_per_token_definition():
     assert blockless_decode_steps > 0
     assert len(rows_seen) < len(prompts)  # rows of finished sequences were reused
     # Every row the other rank still holds matches rank 0's view (nothing stale).
-    for seq_id, row in batch.row_of.items():
+    for _seq_id, row in batch.row_of.items():
         assert int(rank1.num_blocks[row]) == int(batch.sent_blocks[row])
 
 

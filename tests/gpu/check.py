@@ -271,8 +271,8 @@ def check_staged(dev: str) -> dict:
     from epd.kernels.kv_staging import pack_kv
     from epd.messages import KVLayout, RankKV
     from epd.transfer.nixl_transport import NixlTransport, TransferError
-    from epd.transfer.regions import tensor_region
     from epd.transfer.rank_agent import plan_send
+    from epd.transfer.regions import tensor_region
 
     g = torch.Generator(device=dev).manual_seed(1)
     full_k = torch.randn(LAYERS, NB, BS, H, D, generator=g, device=dev)

@@ -5,8 +5,15 @@ import importlib.util
 import pytest
 import torch
 
-from epd.kernels.kv_staging import (pack_kv, pack_kv_ref, pack_kv_triton, staging_shape, unpack_kv, unpack_kv_ref,
-                                    unpack_kv_triton)
+from epd.kernels.kv_staging import (
+    pack_kv,
+    pack_kv_ref,
+    pack_kv_triton,
+    staging_shape,
+    unpack_kv,
+    unpack_kv_ref,
+    unpack_kv_triton,
+)
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 

@@ -23,7 +23,6 @@ from epd.kernels import (
     store_kvcache_ref,
     store_kvcache_triton,
 )
-
 from epd.kernels.cpu_attention import load as load_cpu_kernel
 from epd.kernels.cpu_attention import paged_decode_attention_cpu
 

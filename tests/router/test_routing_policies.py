@@ -17,8 +17,16 @@ from epd.engine.block_manager import BlockManager
 from epd.messages import Heartbeat, KVEvents, KVLayout, WorkerReady
 from epd.multimodal import Placeholder
 from epd.router.kv_index import KVIndex, request_block_hashes
-from epd.router.policies import (POLICIES, FreeKVDecode, KVAwarePrefill, LeastLoaded, MediaAffinity,
-                                 NoInstanceError, RoundRobin, build_policy)
+from epd.router.policies import (
+    POLICIES,
+    FreeKVDecode,
+    KVAwarePrefill,
+    LeastLoaded,
+    MediaAffinity,
+    NoInstanceError,
+    RoundRobin,
+    build_policy,
+)
 from epd.router.registry import WorkerHandle
 from epd.router.router import Router, RouterRequest
 from epd.sampling_params import SamplingParams
@@ -159,7 +167,7 @@ def test_kv_policy_ignores_the_cache_of_a_restarted_worker():
 def test_kv_policy_hashes_media_items_like_the_engine():
     index = KVIndex()
     kv = KVAwarePrefill(index)
-    p0, p1 = worker("prefill-0"), worker("prefill-1")
+    _p0, p1 = worker("prefill-0"), worker("prefill-1")
     tokens = SYSTEM + [5] * 8
     ph_a = [Placeholder(8, 8, "a" * 64)]
     chain = request_block_hashes(tokens, BS, ph_a)

@@ -188,7 +188,7 @@ def test_cancel_at_every_stage_leaks_nothing(llava_dir):
                 return await consume()
             try:
                 return await asyncio.wait_for(consume(), delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return "cancelled"
 
         async def run() -> list[str]:

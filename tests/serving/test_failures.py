@@ -346,7 +346,7 @@ def test_leak_check_cancels_at_every_stage_and_a_decode_kill(llava_dir):
                 return
             s = await stream
             n, cut = 0, rng.randint(1, 6)
-            async for chunk in s:
+            async for _chunk in s:
                 n += 1
                 if kind == "chunks" and n >= cut:
                     await s.close()

@@ -149,7 +149,7 @@ def _cancel_at_every_stage_then_check_free(server, before: dict) -> dict:
         if i % 2:  # cancel at once (reserve / prefill / transfer) ...
             try:
                 await asyncio.wait_for(http.post(server.url + "/v1/completions", json=body), 0.05 * (i % 5))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             return
         async with http.stream("POST", server.url + "/v1/completions", json=body) as r:

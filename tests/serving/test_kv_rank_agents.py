@@ -19,9 +19,18 @@ import pytest
 from tests.conftest import stream_text
 from tests.serving.conftest import launch
 from tests.serving.test_failures import _metric
-from tests.serving.test_hetero_tp import (BLOCK, MAX_TOKENS, NUM_LAYERS, TEXT_PROMPTS,  # noqa: F401 (fixtures)
-                                          _cancel_at_every_stage_then_check_free, _check_parity,
-                                          _staging_all_free, _wait_idle, expected, models)
+from tests.serving.test_hetero_tp import (  # noqa: F401 (fixtures)
+    BLOCK,
+    MAX_TOKENS,
+    NUM_LAYERS,
+    TEXT_PROMPTS,
+    _cancel_at_every_stage_then_check_free,
+    _check_parity,
+    _staging_all_free,
+    _wait_idle,
+    expected,
+    models,
+)
 
 pytestmark = pytest.mark.slow
 PER_RANK = ("--kv-agents", "per-rank")

@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from tests.serving.conftest import launch
-from tests.test_plan import TRACES
 from tests.serving.test_diagnose_server import THREADS, small_llama  # noqa: F401 - the widened tiny llama fixture
+from tests.test_plan import TRACES
 
 pytestmark = pytest.mark.slow
 
@@ -92,13 +92,12 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa:
 
     import httpx
 
-    from tests.serving.test_kv_routing import _counter
-
     from epd.ops.plan.correct import Observation
     from epd.ops.plan.fit import DecodeFit, PrefillFit, Profile, load_profile
     from epd.ops.plan.simulate import simulate
     from epd.ops.plan.workload import synthetic_workload
     from tests.serving.test_diagnose_server import Load, stream_model, tokens
+    from tests.serving.test_kv_routing import _counter
 
     claimed = Profile(model="", pools={"prefill": 1, "decode": 1}, prefill=PrefillFit(2e-3, 2e-5, 0.0, 2e-3),
                       decode=DecodeFit(1e-3, 0.0, 0.0), tp={"prefill": 1, "decode": 1})

@@ -68,8 +68,19 @@ from epd.encoders.processor import MultiModalProcessor
 from epd.models.tiny import IMAGE_TOKEN, create_tiny_model
 from tests.serving.conftest import launch
 from tests.serving.media import data_url, png
-from tests.serving.public_bugs_helpers import (Reference, assert_error, assert_idle, check_idle, complete, metric,
-                                               post, sse_events, streamed_text, wait_healthy, wait_idle)
+from tests.serving.public_bugs_helpers import (
+    Reference,
+    assert_error,
+    assert_idle,
+    check_idle,
+    complete,
+    metric,
+    post,
+    sse_events,
+    streamed_text,
+    wait_healthy,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -521,7 +532,7 @@ class TestSmallKV:
                 return await _stream_text(client, server.url, body, on_line=lambda n: True)
             try:
                 return await asyncio.wait_for(_stream_text(client, server.url, body), how)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return None
 
         async def burst():

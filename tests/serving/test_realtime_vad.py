@@ -14,8 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.serving.test_realtime import (_slots_free, append_speech, connect, offline, pcm16,  # noqa: F401
-                                         server, until)
+from tests.serving.test_realtime import _slots_free, append_speech, connect, offline, pcm16, server, until  # noqa: F401
 
 pytestmark = pytest.mark.slow
 RATE = 24000

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from epd.transfer.regions import HOST, device_code, layer_regions, nixl_descs, tensor_region
 from epd.messages import RankTarget
 from epd.transfer.rank_agent import plan_send
+from epd.transfer.regions import HOST, device_code, layer_regions, nixl_descs, tensor_region
 from epd.transfer.staging import StagingPool
 
 

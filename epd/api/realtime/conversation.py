@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from epd.api.realtime.audio_formats import PCM, AudioFormat
-from epd.api.realtime.protocol import (MIN_COMMIT_MS, OUTPUT_RATE, VOICES, ClientError, ItemIn, new_id, pcm16,
-                                       pcm_array)
+from epd.api.realtime.protocol import MIN_COMMIT_MS, OUTPUT_RATE, VOICES, ClientError, ItemIn, new_id, pcm16, pcm_array
 
 
 @dataclass(slots=True)

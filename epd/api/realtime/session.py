@@ -19,11 +19,35 @@ from epd.api.protocol import invalid_field
 from epd.api.realtime.audio_formats import PCM, AudioFormat
 from epd.api.realtime.connection import EventChannel
 from epd.api.realtime.conversation import Item, Part, ResponseState, parse_item, truncated_transcript
-from epd.api.realtime.protocol import (DEFAULT_RATE, MIN_COMMIT_MS, OUTPUT_RATE, VOICES, AudioAppend, ClientError,
-                                       ItemCreate, ItemDelete, ItemIn, ItemRetrieve, ItemTruncate, LooseEvent,
-                                       ResponseCancel, ResponseCreate, ResponseIn, SessionUpdate, TurnDetectionIn,
-                                       audio_format, check_max_tokens, check_modalities, check_temperature,
-                                       check_turn_detection, check_voice, input_format, new_id, pcm16, pcm_array)
+from epd.api.realtime.protocol import (
+    DEFAULT_RATE,
+    MIN_COMMIT_MS,
+    OUTPUT_RATE,
+    VOICES,
+    AudioAppend,
+    ClientError,
+    ItemCreate,
+    ItemDelete,
+    ItemIn,
+    ItemRetrieve,
+    ItemTruncate,
+    LooseEvent,
+    ResponseCancel,
+    ResponseCreate,
+    ResponseIn,
+    SessionUpdate,
+    TurnDetectionIn,
+    audio_format,
+    check_max_tokens,
+    check_modalities,
+    check_temperature,
+    check_turn_detection,
+    check_voice,
+    input_format,
+    new_id,
+    pcm16,
+    pcm_array,
+)
 from epd.api.realtime.responses import ResponseStream
 from epd.api.realtime.tools import NO_TOOLS, SessionTools, check_tools
 from epd.api.realtime.transcribe import Transcriber

@@ -54,7 +54,7 @@ class Observation:
     window_s: float
 
     @classmethod
-    def from_window(cls, w: Window) -> "Observation":
+    def from_window(cls, w: Window) -> Observation:
         """Raises PlanError when the window has no prefill and decode pool or too few requests."""
         if not (w.has_pool(Role.PREFILL) and w.has_pool(Role.DECODE)):
             raise PlanError(f"the server has no prefill and decode pools to correct (pools: {', '.join(w.pools())})")
