@@ -46,7 +46,7 @@ from epd.kernels.store_kv import store_kvcache
 from epd.models.checkpoints import resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
-from test_kv_cache_dtype import FORMS, FORMS_2, NEW_TOKENS, SUBJECTS, SUBJECTS_2  # noqa: E402
+from test_kv_cache_dtype import FORMS, FORMS_2, NEW_TOKENS, SUBJECTS, SUBJECTS_2
 
 BLOCK = 16
 SETS = {"first 50": [f.format(s) for s, f in itertools.product(SUBJECTS, FORMS)],

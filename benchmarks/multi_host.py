@@ -35,9 +35,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import git_commit  # noqa: E402
+from _common import git_commit
 
-from tests.cluster.netns import Cluster, netns_available  # noqa: E402
+from tests.cluster.netns import Cluster, netns_available
 
 RESULTS = Path(__file__).parent / "results"
 PORT, ROUTER_PORT = 8000, 5557

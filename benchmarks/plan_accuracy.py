@@ -39,15 +39,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-from _common import ROOT, load_avg, serve_epd  # noqa: E402
+import httpx
+import numpy as np
+from _common import ROOT, load_avg, serve_epd
 
-from epd.metrics import KV_TRANSFER, PREFILL, PREFILL_QUEUE, TTFT  # noqa: E402
-from epd.ops.plan.fit import PrefillFit, load_profile  # noqa: E402
-from epd.ops.plan.simulate import simulate  # noqa: E402
-from epd.ops.plan.workload import trace_workload  # noqa: E402
-from epd.ops.scrape import Window, metrics_url, scrape  # noqa: E402
+from epd.metrics import KV_TRANSFER, PREFILL, PREFILL_QUEUE, TTFT
+from epd.ops.plan.fit import PrefillFit, load_profile
+from epd.ops.plan.simulate import simulate
+from epd.ops.plan.workload import trace_workload
+from epd.ops.scrape import Window, metrics_url, scrape
 
 TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 

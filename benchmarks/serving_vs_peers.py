@@ -114,10 +114,10 @@ from _common import ROOT, fmt_ms, fmt_ratio, free_port, git_commit, load_avg, ma
 
 sys.path.insert(0, str(ROOT))
 
-from epd.bench.client import send_chat  # noqa: E402
-from epd.bench.metrics import RequestRecord, percentiles, slo_attainment, summarize  # noqa: E402
-from epd.bench.runner import drain, schedule, send_open_loop  # noqa: E402
-from epd.bench.workloads import RequestSpec, TextMaker, build_requests, trace_options  # noqa: E402
+from epd.bench.client import send_chat
+from epd.bench.metrics import RequestRecord, percentiles, slo_attainment, summarize
+from epd.bench.runner import drain, schedule, send_open_loop
+from epd.bench.workloads import RequestSpec, TextMaker, build_requests, trace_options
 
 PEERS_VENV = Path(os.environ.get("EPD_PEERS_VENV", "/work/peers-venv"))
 PEERS_SRC = Path(os.environ.get("EPD_PEERS_SRC", "/work/peers-src"))

@@ -81,7 +81,7 @@ def mask_times(model_dir: str, xgrammar_path: str | None) -> dict:
         sys.path.insert(0, xgrammar_path)
         try:
             import xgrammar as xgr
-        except Exception as e:  # noqa: BLE001 - optional comparison
+        except Exception as e:  # optional comparison
             out["xgrammar"] = {"error": str(e)}
             return out
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)

@@ -193,7 +193,7 @@ def _identify_other_image_format(data: bytes) -> str | None:
             continue
         try:
             result = accept(prefix)
-        except Exception:  # noqa: BLE001 - a plugin's sniffer must not decide our error
+        except Exception:  # a plugin's sniffer must not decide our error
             continue
         if result is True or (result and not isinstance(result, str)):
             return fmt

@@ -9,7 +9,7 @@ preprocessing lives in ``epd.encoders.processor``.
 from __future__ import annotations
 
 import msgspec
-import torch  # noqa: F401  (resolves the ``torch.Tensor`` annotation for msgspec)
+import torch  # resolves the ``torch.Tensor`` annotation for msgspec
 
 
 class Placeholder(msgspec.Struct, frozen=True):

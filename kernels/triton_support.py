@@ -30,7 +30,7 @@ def triton_importable() -> bool:
     global _TRITON_OK
     if _TRITON_OK is None:
         try:
-            import triton  # noqa: F401
+            import triton
             import triton.language  # noqa: F401
 
             _TRITON_OK = True

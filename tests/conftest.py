@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from epd.models.tiny import TEXT_KINDS as TINY_KINDS  # noqa: E402
+from epd.models.tiny import TEXT_KINDS as TINY_KINDS
 
 
 @pytest.fixture(scope="session")

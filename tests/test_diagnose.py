@@ -431,7 +431,7 @@ def test_a_healthy_busy_server_has_no_symptom():
 class _Metrics(http.server.BaseHTTPRequestHandler):
     pages: list[str] = []  # one per GET; the last repeats
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):  # http.server's name
         if self.path != "/metrics":
             self.send_error(404)
             return

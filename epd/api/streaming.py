@@ -333,7 +333,7 @@ class _SseStream:
                     await self.queue.put(out)
         except RequestError as e:
             await self.queue.put(e)
-        except Exception as e:  # noqa: BLE001 - our fault: the client gets an error event, not a silent end
+        except Exception as e:  # our fault: the client gets an error event, not a silent end
             logger.exception("stream %s failed", self.rid)
             await self.queue.put(RequestError(f"internal server error ({type(e).__name__}: {e})", status=500))
         finally:

@@ -95,7 +95,7 @@ def grammar_text(spec: StructuredOutputs) -> str:
 
     try:
         return L.grammar_from_lark(any_to_lark(spec.grammar))
-    except Exception as e:  # noqa: BLE001 - the GBNF converter raises on malformed rules
+    except Exception as e:  # the GBNF converter raises on malformed rules
         raise InvalidRequestError(f"the grammar is invalid: {e}", "grammar") from None
 
 
@@ -165,7 +165,7 @@ class GrammarCompiler:
         def build() -> None:
             try:
                 self._tokenizer()
-            except Exception as e:  # noqa: BLE001 - the first constrained request reports it
+            except Exception as e:  # the first constrained request reports it
                 logger.debug("grammar tokenizer warm-up failed: %s", e)
 
         # not a daemon: the interpreter joins it at exit (a build killed in native code segfaulted)

@@ -100,7 +100,7 @@ def _make_agent(name: str, progress_thread_us: int) -> Any:
             return getattr(real, attr)
 
         @staticmethod
-        def nixlAgent(agent_name: str, cfg: Any) -> Any:  # noqa: N802 (NIXL's name)
+        def nixlAgent(agent_name: str, cfg: Any) -> Any:  # NIXL's name
             cfg.pthrDelay = int(progress_thread_us)
             return real.nixlAgent(agent_name, cfg)
 

@@ -196,7 +196,7 @@ class EspeakSynthesizer(Synthesizer):
             try:
                 with _LOCK:
                     self._lib.speak(text, voice, sink)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            except BaseException as exc:  # re-raised in the consumer
                 chunks.put(exc)
             chunks.put(None)
 

@@ -26,7 +26,7 @@ class AggregatedWorker(EngineWorker):
             if msg.placeholders:
                 kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}
             self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params, **kw)
-        except Exception as e:  # noqa: BLE001 - every failure is reported, saying who failed
+        except Exception as e:  # every failure is reported, saying who failed
             self.fail(msg.request_id, e)
 
     def step(self) -> None:

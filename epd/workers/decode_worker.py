@@ -37,7 +37,7 @@ class DecodeWorker(EngineWorker):
         elif isinstance(msg, GenerateRequest):
             try:
                 self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params)
-            except Exception as e:  # noqa: BLE001 - every failure is reported, saying who failed
+            except Exception as e:  # every failure is reported, saying who failed
                 self.fail(msg.request_id, e)
         else:
             super().handle_role(msg)

@@ -75,7 +75,7 @@ class EncodeWorker(BaseWorker):
                                          None if rng is None else tuple(rng)))
             self.num_encoded += len(items)
             self.num_video_chunks += sum(r is not None for r in ranges)
-        except Exception as e:  # noqa: BLE001 - every failure is reported, saying who failed
+        except Exception as e:  # every failure is reported, saying who failed
             self.buffer.free(rid)
             self.fail(rid, e, prefix="encode failed: ")
             return

@@ -33,7 +33,7 @@ class HealthServer:
         self.worker = worker
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:  # http.server's name
                 w = outer.worker
                 if self.path == "/metrics":
                     from epd.metrics import render_latest

@@ -66,7 +66,7 @@ class PrefillWorker(EngineWorker):
             if msg.placeholders:
                 kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}
             self.engine.add_request(rid, list(msg.prompt_token_ids), params, **kw)
-        except Exception as e:  # noqa: BLE001 - every failure is reported, saying who failed
+        except Exception as e:  # every failure is reported, saying who failed
             if not self.kv.abort(rid):  # not taken: still tell the decode side nothing will come
                 self.kv.decline(msg)
             self.fail(rid, e)

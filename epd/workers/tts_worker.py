@@ -76,7 +76,7 @@ class TTSWorker(BaseWorker):
             self.observe("tts_queue", now - arrival)
             try:
                 self.current = _Phrase(req, iter(self.synth.synthesize(req.text, req.voice)), arrival, now)
-            except Exception as e:  # noqa: BLE001 - an unknown voice, text too long: the request's fault
+            except Exception as e:  # an unknown voice, text too long: the request's fault
                 self.fail(req.request_id, e, prefix="speech synthesis failed: ")
                 return
         ph = self.current
@@ -86,7 +86,7 @@ class TTSWorker(BaseWorker):
             except StopIteration:
                 self._finish(ph)
                 return
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self.current = None
                 self.fail(ph.req.request_id, e, prefix="speech synthesis failed: ")
                 return

@@ -55,7 +55,7 @@ def _record(results: dict, name: str, fn, *args) -> None:
     try:
         out = fn(*args)
         results[name] = {"status": out.pop("status", "ok"), **out}
-    except Exception as e:  # noqa: BLE001 - every check reports, the run goes on
+    except Exception as e:  # every check reports, the run goes on
         results[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
                          "traceback": traceback.format_exc()[-2000:]}
     results[name]["seconds"] = round(time.monotonic() - t0, 2)

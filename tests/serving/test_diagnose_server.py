@@ -105,7 +105,7 @@ class Load:
                 try:
                     one(rng)
                     self.count += 1
-                except BaseException as e:  # noqa: BLE001 - reported by stop()
+                except BaseException as e:  # reported by stop()
                     self.errors.append(e)
                     return
 

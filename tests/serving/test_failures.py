@@ -204,7 +204,7 @@ def test_only_prefill_killed_fails_fast_then_restart_serves(llama_dir):
         def one():
             try:
                 _complete(server, _prompt(1), max_tokens=8, stream=False)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 errors.append(e)
 
         threads = [threading.Thread(target=one) for _ in range(3)]

@@ -98,7 +98,7 @@ def test_killed_decode_tp_rank_takes_its_instance_down_and_streams_migrate(model
         def attempt(prompt, on_chunk) -> str:
             try:
                 return complete(prompt, on_chunk)
-            except Exception as e:  # noqa: BLE001 - reported with the server's log below
+            except Exception as e:  # reported with the server's log below
                 return repr(e)
 
         with ThreadPoolExecutor(4) as pool:
@@ -200,7 +200,7 @@ def test_killed_prefill_tp_rank_takes_its_instance_down_and_requests_finish(mode
             try:
                 return client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS,
                                                  temperature=0, extra_body={"ignore_eos": True}).choices[0].text
-            except Exception as e:  # noqa: BLE001 - reported with the server's log below
+            except Exception as e:  # reported with the server's log below
                 return repr(e)
 
         with ThreadPoolExecutor(4) as pool:

@@ -25,7 +25,7 @@ def plan(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
                           timeout=timeout_s)
 
 
-def test_profile_a_server_then_recommend(small_llama, tmp_path):  # noqa: F811 - the fixture
+def test_profile_a_server_then_recommend(small_llama, tmp_path):
     out = tmp_path / "profile.json"
     with launch(small_llama, "p:1,d:1", "--kv-cache-memory-gb", "0.3", *THREADS) as server:
         r = plan("profile", "--url", server.url, "--out", str(out), "--lengths", "64,512,1536", "--repeats", "2",
@@ -80,7 +80,7 @@ def test_profile_a_server_then_recommend(small_llama, tmp_path):  # noqa: F811 -
     assert hi["predicted"]["ttft_p90_s"] <= hi["slo"]["ttft_s"]
 
 
-def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):  # noqa: F811 - the fixture
+def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):
     """`epd plan correct` on a real server while streams run: the observation is what was sent
     (100-token prompts, 16 tokens out), and a profile that claims both phases take a fraction
     of what they do gets factors above 1 with which the simulation of the observed load gives

@@ -31,7 +31,7 @@ ARGS = ("--block-size", "8", "--num-kv-blocks", "128", "--video-fps", str(FPS))
 
 
 @pytest.fixture(scope="module")
-def expected(qwen_dir):  # noqa: F811
+def expected(qwen_dir):
     """(text, prompt tokens) per case at 2 fps; the offline engine's tokens equal
     transformers' ``generate`` (the mrope engine test's reference)."""
     llm = LLM(qwen_dir, dtype="float32", kv_cache_memory_gb=0.05, video_fps=FPS)
@@ -84,7 +84,7 @@ def _no_held_embeddings(server) -> dict:
 
 
 @pytest.mark.parametrize("pools", ["e:2,p:1,d:1", "e:2,pd:1"])
-def test_a_long_video_is_split_across_both_encoders_and_equals_transformers(qwen_dir, expected, pools):  # noqa: F811
+def test_a_long_video_is_split_across_both_encoders_and_equals_transformers(qwen_dir, expected, pools):
     """Disaggregated (the prefill worker joins the chunks) and aggregated (the pd worker does)."""
     with launch(qwen_dir, pools, *ARGS) as server:
         assert _chat(server, "video") == expected["video"]
@@ -112,7 +112,7 @@ def test_a_long_video_is_split_across_both_encoders_and_equals_transformers(qwen
         assert _counter(text, "epd_routing_decisions_total", pool="encode", policy="video-split") == 3
 
 
-def test_split_off_sends_the_video_to_one_encoder_with_the_same_answer(qwen_dir, expected):  # noqa: F811
+def test_split_off_sends_the_video_to_one_encoder_with_the_same_answer(qwen_dir, expected):
     with launch(qwen_dir, "e:2,p:1,d:1", *ARGS, "--video-encode-split", "off") as server:
         assert _chat(server, "video") == expected["video"]
         got = _per_encoder(server, 1)
@@ -120,7 +120,7 @@ def test_split_off_sends_the_video_to_one_encoder_with_the_same_answer(qwen_dir,
         assert sum(g["encode_video_chunks"] for g in got.values()) == 0, got
 
 
-def test_an_encoder_killed_under_split_requests_is_retried_around(qwen_dir, expected):  # noqa: F811
+def test_an_encoder_killed_under_split_requests_is_retried_around(qwen_dir, expected):
     """SIGSTOP encode-1 while split requests are sent (it holds their second chunks),
     then SIGKILL it: every request is retried on the live encoder, whole, and answers
     as before; no instance is left holding embeddings or blocks."""

@@ -15,11 +15,11 @@ import torch
 
 pytest.importorskip("nixl")
 
-import _nixl_peer as peer_mod  # noqa: E402  (tests/transfer is on sys.path under pytest)
+import _nixl_peer as peer_mod  # tests/transfer is on sys.path under pytest
 
-from epd.transfer import NixlTransport, TransferError, TransferTimeout  # noqa: E402
-from epd.transfer.regions import block_regions, tensor_region  # noqa: E402
-from epd.transfer.regions import coalesce as _coalesce  # noqa: E402
+from epd.transfer import NixlTransport, TransferError, TransferTimeout
+from epd.transfer.regions import block_regions, tensor_region
+from epd.transfer.regions import coalesce as _coalesce
 
 NB, BS, H, D = 64, 16, 4, 32  # fake KV cache [num_blocks, block_size, heads, dim] fp32
 KV_SHAPE = (NB, BS, H, D)

@@ -21,7 +21,7 @@ class _Tone(torch.nn.Module):
         super().__init__()
         self.speakers = speakers
 
-    def forward(self, input, input_lengths, scales, sid=None):  # noqa: A002 - Piper's input names
+    def forward(self, input, input_lengths, scales, sid=None):  # Piper's input names
         n = input.shape[1]
         t = torch.arange(n * HOP, dtype=torch.float32) / SAMPLE_RATE
         hz = torch.tensor(BASE_HZ) if sid is None else BASE_HZ + 100.0 * sid.to(torch.float32)[0]

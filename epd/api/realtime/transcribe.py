@@ -115,7 +115,7 @@ class Transcriber:
                 except asyncio.CancelledError:
                     if asyncio.current_task().cancelling():
                         raise
-                except Exception:  # noqa: BLE001 - tried again below, on the whole clip
+                except Exception:  # tried again below, on the whole clip
                     text = None
             if text is None:
                 text = await self._recognize(part.pcm, part.rate)

@@ -51,7 +51,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
                           timeout_s=args.timeout)
     except MetricsError as e:
         return _unreadable(args, str(e))
-    except Exception as e:  # noqa: BLE001 - never exit 1 (a symptom) for a failure of our own
+    except Exception as e:  # never exit 1 (a symptom) for a failure of our own
         if os.environ.get("EPD_DEBUG"):
             raise
         return _unreadable(args, f"{type(e).__name__}: {e} (set EPD_DEBUG=1 for the traceback)")

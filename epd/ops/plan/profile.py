@@ -128,7 +128,7 @@ class _Background:
             while not self.done.is_set():
                 try:
                     _stream(client, base, model, prompt, tokens, self.done)
-                except Exception:  # noqa: BLE001 - cancelled by stop(), or the server's own error
+                except Exception:  # cancelled by stop(), or the server's own error
                     return
 
         self.threads = [threading.Thread(target=loop, args=(p,), daemon=True) for p in prompts]
@@ -160,7 +160,7 @@ class _PrefillLoad:
             while not self.done.is_set():
                 try:
                     wall = _complete(client, base, model, [r.randrange(10, vocab_hi) for _ in range(tokens)], 1)
-                except Exception:  # noqa: BLE001 - the server's own error; the measured busy fraction shows it
+                except Exception:  # the server's own error; the measured busy fraction shows it
                     return
                 if duty < 1:
                     self.done.wait(wall * (1 - duty) / duty)
