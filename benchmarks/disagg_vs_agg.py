@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         g = res["goodput"]
                         print(f"  {sw.workload}: " + ", ".join(
                             f"{r['rate']:g} req/s: ITL p99 {fmt_ms(r['summary']['itl_s']['p99'])} ms, TTFT p99 "
-                            f"{fmt_ms(r['summary']['ttft_s']['p99'])} ms, attain {r['summary']['attainment']['both']:.0%}"
+                            f"{fmt_ms(r['summary']['ttft_s']['p99'])} ms, "
+                            f"attain {r['summary']['attainment']['both']:.0%}"
                             for r in res["runs"]) + f"; goodput {g['rate']:.2f} ({g['status']})", flush=True)
                     for c in (c for c in caches if c.model == model_key):
                         entry = results.setdefault(c.name, {}).setdefault(layout, {})

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from epd import LLM, SamplingParams
 from epd.models.checkpoints import resolve_model
 
-dtype = sys.argv[1]; B = int(sys.argv[2]); label = sys.argv[3]
+dtype, B, label = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads(2)
 llm = LLM(str(resolve_model(None)), dtype=dtype, kv_cache_memory_gb=0.5)
 eng = llm.engine
@@ -30,13 +30,16 @@ for i, pr in enumerate(prompts):
     eng.add_request(str(i), pr, p)
 while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
     eng.step()
-for _ in range(5): eng.step()
+for _ in range(5):
+    eng.step()
 t = time.perf_counter()
-for _ in range(20): eng.step()
+for _ in range(20):
+    eng.step()
 dt = (time.perf_counter() - t) / 20
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     t = time.perf_counter()
-    for _ in range(10): eng.step()
+    for _ in range(10):
+        eng.step()
     wall = (time.perf_counter() - t) / 10
 ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
 ops = [(e.key, e.self_cpu_time_total / 10 / 1000) for e in ev[:6]]

@@ -569,7 +569,8 @@ def row(system: str, variant: str, point: str, s: dict, dtype: str = "") -> str:
     att = s["attainment"]["both"]
     tps = s.get("tok_s")
     exact = s.get("exact_length")
-    return (f"{name:<22} {dtype:<5} {point:<10} {s['completed']:>4}/{s['requests']:<3} {'-' if tps is None else f'{tps:.1f}':>7} "
+    return (f"{name:<22} {dtype:<5} {point:<10} {s['completed']:>4}/{s['requests']:<3} "
+            f"{'-' if tps is None else f'{tps:.1f}':>7} "
             f"{fmt_ms(s['ttft_s']['p50']):>9} {fmt_ms(s['ttft_s']['p99']):>9} {fmt_ms(s['tpot_s']['p50']):>9} "
             f"{fmt_ms(s['itl_s']['p99']):>8} {fmt_ms(s.get('itl_max_s')):>8} {'-' if att is None else f'{att:.0%}':>7} "
             f"{'-' if exact is None else f'{exact:.0%}':>5} {_f2(s.get('cpu', {}).get('other_cores_busy')):>5}")
@@ -676,7 +677,7 @@ def tables(saved: dict) -> str:
              f"other: cores kept busy meanwhile by processes other than the server and this client"]
     ctrl = {}
     for k in keys:
-        for pt, d in results[k].get("points", {}).items():
+        for d in results[k].get("points", {}).values():
             ctrl.setdefault(d["summary"]["length_control"], set()).add(k.split(":")[0])
     notes += [f"length control {c!r}: {', '.join(sorted(s))}" for c, s in ctrl.items()]
     return ("\n".join(lines) + "\n" + "\n".join(notes + skipped) + "\n\n" + ratio_table(results, points))
@@ -800,7 +801,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--points", nargs="+", help="subset of the points (closed-N, long-mix, trace)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 and 4 clients, 5 s a point, 16 output "
                    "tokens, 400-word long prompts, trace at 1 req/s scaled 0.1")
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake .jsonl or Azure .csv (default %(default)s)")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+                   help="Mooncake .jsonl or Azure .csv (default %(default)s)")
     p.add_argument("--trace-rate", type=float, help="mean requests/s of the trace replay (default 0.5; quick 1)")
     p.add_argument("--trace-scale", type=float, help="factor on the trace's token lengths (default 0.25; quick 0.1)")
     p.add_argument("--trace-eos", choices=["natural", "force"], default="natural",

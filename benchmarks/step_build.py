@@ -47,12 +47,14 @@ for B, ctx in ((32, 1024), (32, 4096), (128, 1024)):
         lay.append(t2 - t1)
         sizes.append(len(msgspec.msgpack.encode(step)))
         sched.update(out, {s.seq.seq_id: 5 for s in out.scheduled})
-    rows.append({"B": B, "ctx": ctx, "build_us": round(sorted(build)[25] * 1e6), "layout_us": round(sorted(lay)[25] * 1e6),
+    rows.append({"B": B, "ctx": ctx, "build_us": round(sorted(build)[25] * 1e6),
+                 "layout_us": round(sorted(lay)[25] * 1e6),
                  "tp_message_bytes_median": sorted(sizes)[25], "tp_message_bytes_max": max(sizes)})
 print("| sequences | context | build µs | layout µs (each rank) | TP message bytes, median / max |")
 print("|---:|---:|---:|---:|---:|")
 for r in rows:
-    print(f"| {r['B']} | {r['ctx']} | {r['build_us']} | {r['layout_us']} | {r['tp_message_bytes_median']} / {r['tp_message_bytes_max']} |")
+    print(f"| {r['B']} | {r['ctx']} | {r['build_us']} | {r['layout_us']} | "
+          f"{r['tp_message_bytes_median']} / {r['tp_message_bytes_max']} |")
 out = pathlib.Path(__file__).parent / "results" / "step_build.json"
 out.parent.mkdir(exist_ok=True)
 out.write_text(json.dumps(rows, indent=1))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -101,7 +102,7 @@ def measure(compute_type: str | None, args, clips: dict) -> list[dict]:
             fe.transcribe(audio)  # warm-up
             lat, others, texts = [], [], set()
             for _ in range(args.runs):
-                text, wall, other = timed(lambda: fe.transcribe(audio))
+                text, wall, other = timed(functools.partial(fe.transcribe, audio))
                 lat.append(wall)
                 others.append(other)
                 texts.add(text)

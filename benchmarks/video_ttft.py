@@ -362,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'decode+prep ms/s':>17} {'tower ms/s':>11} {'busy':>5}")
     for r in encode:
         print(f"{r['video_s']:>6g}s {','.join(map(str, r['grid_thw'])):>12} {r['tokens']:>7} "
-              f"{r['decode_preprocess_ms']:>15.0f} {r['tower_ms']:>9.0f} {r['decode_preprocess_ms_per_video_s']:>17.0f} "
+              f"{r['decode_preprocess_ms']:>15.0f} {r['tower_ms']:>9.0f} "
+              f"{r['decode_preprocess_ms_per_video_s']:>17.0f} "
               f"{r['tower_ms_per_video_s']:>11.0f} {r['other_cores_max']:>5.2f}")
     print(f"\n{chunked['video_s']:g} s video ({chunked['tokens']} tokens, grid {chunked['grid_thw']}) tower: "
           f"one encoder {chunked['one_encoder_ms']:.0f} ms, halves on two {chunked['two_encoders_ms']:.0f} ms "
@@ -372,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nTTFT p50 ms (min) over {args.runs} requests, fresh media each")
         print(f"{'request':<18} {'tokens':>6} " + " ".join(f"{c:>20}" for c in ttft))
         for n in names:
-            toks = next((ttft[c][n]["prompt_tokens"] for c in ttft if n in ttft[c] and ttft[c][n]["prompt_tokens"]), None)
+            toks = next((ttft[c][n]["prompt_tokens"] for c in ttft if n in ttft[c] and ttft[c][n]["prompt_tokens"]),
+                        None)
             cells = []
             for c in ttft:
                 if n not in ttft[c]:

@@ -2,7 +2,8 @@
 
 The towers are transformers' own modules (CLIP / SigLIP vision models, the
 Qwen2-VL / Qwen2.5-VL vision transformer with its patch merger, the Qwen2-Audio
-Whisper-style encoder) and the projectors transformers' own ``multi_modal_projector``; epd only loads them and selects features exactly as
+Whisper-style encoder) and the projectors transformers' own ``multi_modal_projector``; epd only
+loads them and selects features exactly as
 ``LlavaModel.get_image_features`` and ``Qwen2AudioModel.forward`` do, so the
 embeddings equal the reference's. The LM half of these checkpoints runs in
 epd's own engine, so it is not loaded here: the model is instantiated from the

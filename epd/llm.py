@@ -219,7 +219,8 @@ class LLM:
         model's placeholder token (e.g. ``<image>``) once per item, in order. A video for a
         model that takes video as images (LLaVA) needs a text prompt with ``<video>``
         (``epd.encoders.video.VIDEO_PLACEHOLDER``) where it goes: its frames, sampled at
-        ``video_fps`` (at most ``max_video_frames``), become image items there. A single token-id list counts as one prompt.
+        ``video_fps`` (at most ``max_video_frames``), become image items there. A single token-id
+        list counts as one prompt.
         Every prompt is validated (and its media encoded) before any runs, so an
         invalid one raises ``InvalidRequestError`` or ``MediaError`` and nothing
         is queued.

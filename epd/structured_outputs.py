@@ -57,7 +57,8 @@ class StructuredOutputs(msgspec.Struct, frozen=True, omit_defaults=True):
             v = getattr(self, k)
             if v is not None and (not v or len(v.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES):
                 raise ValueError(f"{k} must be a non-empty string of at most {MAX_SPEC_BYTES} bytes")
-        if self.choice is not None and sum(len(c.encode("utf-8", "surrogatepass")) for c in self.choice) > MAX_SPEC_BYTES:
+        choice_bytes = 0 if self.choice is None else sum(len(c.encode("utf-8", "surrogatepass")) for c in self.choice)
+        if choice_bytes > MAX_SPEC_BYTES:
             raise ValueError(f"choice takes at most {MAX_SPEC_BYTES} bytes in all")
 
     @property

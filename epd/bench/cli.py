@@ -121,7 +121,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                        trace_speedup=args.trace_speedup, trace_scale=args.trace_scale, trace_start=args.trace_start,
                        ignore_eos=args.ignore_eos,
                        include_usage=args.include_usage, warmup=args.warmup,
-                       request_timeout_s=args.request_timeout, max_concurrency=args.max_concurrency, progress=not args.no_progress,
+                       request_timeout_s=args.request_timeout, max_concurrency=args.max_concurrency,
+                       progress=not args.no_progress,
                        tokens_per_word=tokens_per_word)
 
 

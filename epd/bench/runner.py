@@ -120,7 +120,8 @@ async def _discover(cfg: BenchConfig, client) -> tuple[str, int | None, int, str
         try:
             models = await client.models.list()
         except Exception as e:  # openai.APIConnectionError, APIStatusError, ...
-            raise RuntimeError(f"cannot list models at {api_base(cfg.base_url)}/models: {type(e).__name__}: {e}") from None
+            raise RuntimeError(f"cannot list models at {api_base(cfg.base_url)}/models: "
+                               f"{type(e).__name__}: {e}") from None
         if not models.data:
             raise RuntimeError(f"{cfg.base_url}: /v1/models lists no model")
         first = models.data[0]
@@ -328,7 +329,8 @@ async def run_bench(cfg: BenchConfig) -> dict:
                                               for k, v in asdict(opts).items() if k != "trace_rows"},
         "trace_scale": scale, "rates": cfg.rates, "cv": cfg.cv, "num_requests": cfg.num_requests,
         "tokens_per_word": per_word, "tokens_per_word_from": per_word_from,
-        "duration_s": cfg.duration_s, "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "ignore_eos": cfg.ignore_eos,
+        "duration_s": cfg.duration_s, "max_concurrency": cfg.max_concurrency, "seed": cfg.seed,
+        "ignore_eos": cfg.ignore_eos,
         "slo": {"ttft_s": cfg.ttft_slo_s, "tpot_s": cfg.tpot_slo_s, "target": cfg.goodput_target},
         "num_devices": devices, "devices_from": devices_from, "machine": _machine(),
         "load_avg_before": load_before, "load_avg_after": _load()},

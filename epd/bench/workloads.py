@@ -269,7 +269,7 @@ def build_requests(workload: str, n: int, opts: WorkloadOptions, seed: int = 0,
         if not opts.trace_rows:
             raise ValueError("the trace workload needs trace rows (--trace FILE)")
         blk = opts.trace_block_tokens or 1
-        for i, row in enumerate(opts.trace_rows[:n]):
+        for row in opts.trace_rows[:n]:
             if row.hash_ids:
                 pieces, left = [], row.input_len
                 for h in row.hash_ids:

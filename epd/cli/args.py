@@ -33,7 +33,8 @@ KV_AGENTS_HELP = ("NIXL agents of a tensor-parallel prefill/decode instance: ran
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's settings of an in-process ``epd.LLM`` (``epd generate``)."""
-    p.add_argument("--model", default=None, help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None,
+                   help="model dir, .gguf file, or omit for the embedded SmolLM2-135M-Instruct")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)

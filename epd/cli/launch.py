@@ -69,8 +69,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     http_socket = check_port_free(config.host, config.port, keep=True)  # held until uvicorn serves on it
     path = resolve_model(config.model)
     text_cfg = AutoConfig.from_pretrained(str(path)).get_text_config()
+    num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
     plan = build_launch_plan(config.pools, config.tp, num_attention_heads=text_cfg.num_attention_heads,
-                             num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads)
+                             num_kv_heads=num_kv_heads)
     worker_args = config.forwarded_worker_args()
     tp = {p.role: p.tp for p in plan}
     if Role.PREFILL in tp and (tp[Role.PREFILL], tp[Role.DECODE]) != (1, 1):

@@ -11,7 +11,8 @@ def add_parser(sub) -> None:
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
     ct = msub.add_parser("create-tiny", help="write a tiny random checkpoint for tests and benchmarks")
-    ct.add_argument("kind", choices=["llama", "qwen2", "qwen3", "llava", "llava-siglip", "qwen2-audio", "qwen2-vl", "qwen2.5-vl"])
+    ct.add_argument("kind", choices=["llama", "qwen2", "qwen3", "llava", "llava-siglip", "qwen2-audio", "qwen2-vl",
+                                     "qwen2.5-vl"])
     ct.add_argument("dir")
     ct.add_argument("--seed", type=int, default=0)
     ct.add_argument("--force", action="store_true", help="write into a non-empty directory")

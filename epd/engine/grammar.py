@@ -3,7 +3,8 @@
 The grammar engine is llguidance (Microsoft's, the engine behind vLLM's ``guidance``
 backend and SGLang's ``llguidance`` backend), kept behind this module's three names:
 ``GrammarCompiler`` (text -> compiled grammar, cached by constraint) and ``Grammar`` (one
-request's matcher); the sampler applies the masks (``epd.layers.sampler.apply_bitmask``). It was picked by measuring here (SmolLM2
+request's matcher); the sampler applies the masks (``epd.layers.sampler.apply_bitmask``).
+It was picked by measuring here (SmolLM2
 tokenizer, a nested schema, one matcher; ``benchmarks/structured_outputs.py``): llguidance
 compiles a schema in ~1 ms and masks a token in ~0.2 ms; xgrammar 0.2.9 compiles in ~24 ms
 and masks in ~0.01 ms. Both masks hide under a 30+ ms CPU forward (the mask is computed

@@ -30,8 +30,8 @@ from epd.config import EngineConfig
 from epd.engine.scheduler import SchedulerOutput
 from epd.engine.step_input import StepInput
 
-__all__ = ["KVConnectorHooks", "KVRunnerBase", "KVRunnerFactory", "LayerWork", "RankRunner", "SchedulerOutput", "StepInput",
-           "StepKV"]
+__all__ = ["KVConnectorHooks", "KVRunnerBase", "KVRunnerFactory", "LayerWork", "RankRunner", "SchedulerOutput",
+           "StepInput", "StepKV"]
 
 
 @dataclass(slots=True)

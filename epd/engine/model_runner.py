@@ -299,7 +299,8 @@ def free_port() -> int:
 def engine_config_to_json(config: EngineConfig) -> str:
     """The constructor arguments of ``config`` as JSON, for spawning TP ranks."""
     fields = ("model", "tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens",
-              "max_prefill_tokens_with_decodes", "target_step_ms", "max_model_len", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_gb",
+              "max_prefill_tokens_with_decodes", "target_step_ms", "max_model_len", "enable_prefix_caching",
+              "num_kv_blocks", "kv_cache_memory_gb",
               "dtype", "kv_cache_dtype", "device", "seed", "compile", "enforce_eager", "cuda_graph_sizes")
     return json.dumps({f: getattr(config, f) for f in fields})
 

@@ -24,7 +24,8 @@ import os
 import pathlib
 from collections.abc import Callable
 
-__all__ = ["TINY_KINDS", "TEXT_KINDS", "MULTIMODAL_KINDS", "TINY_CHAT_TEMPLATE", "build_tiny_tokenizer", "create_tiny_model"]
+__all__ = ["TINY_KINDS", "TEXT_KINDS", "MULTIMODAL_KINDS", "TINY_CHAT_TEMPLATE", "build_tiny_tokenizer",
+           "create_tiny_model"]
 
 # ChatML as SmolLM2 uses it, minus SmolLM2's default system prompt (keeps prompts short).
 TINY_CHAT_TEMPLATE = (
@@ -213,7 +214,8 @@ def _llava_config(tokenizer, vision: str = "clip"):
         vcfg = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                   image_size=32, patch_size=8)
         text, layer, strategy = _qwen2_config(tokenizer), -1, "full"
-    return LlavaConfig(vision_config=vcfg, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+    return LlavaConfig(vision_config=vcfg, text_config=text,
+                       image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
                        vision_feature_layer=layer, vision_feature_select_strategy=strategy,
                        projector_hidden_act="gelu", image_seq_length=16, tie_word_embeddings=text.tie_word_embeddings)
 

@@ -21,7 +21,8 @@ num_kv_heads / g, head_dim]`` (``epd.kernels.kv_staging``):
 Control stays on the instance's own channel: rank 0 computes every rank's writes
 (``RankSend``: addresses on the decode side's ranks, from their advertised
 ``epd.messages.RankKV``) and broadcasts them with the step (``KVPlan``, msgpack over the
-gloo group, never pickle; the messages are in ``epd.messages.tp``); each rank posts its writes right after packing each layer;
+gloo group, never pickle; the messages are in ``epd.messages.tp``); each rank posts its writes
+right after packing each layer;
 rank 0 asks every rank for the state of its writes (``KVPoll``: one gather) and sends
 ``KVReady`` once all of them are done; ``KVRelease`` cancels a request's writes on
 every rank (abort, failure, deadline).

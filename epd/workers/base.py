@@ -338,7 +338,8 @@ class BaseWorker:
         another instance may succeed (transfer and capacity failures)."""
         from epd.transfer.nixl_transport import TransferError
 
-        msg = str(exc) if isinstance(exc, (ValueError, CapacityError, TransferError)) else f"{type(exc).__name__}: {exc}"
+        plain = isinstance(exc, (ValueError, CapacityError, TransferError))
+        msg = str(exc) if plain else f"{type(exc).__name__}: {exc}"
         self.send(RequestFailed(request_id, self.instance_id, prefix + msg,
                                 retryable=isinstance(exc, (TransferError, CapacityError)), kind=kind,
                                 status=error_status(exc)))

@@ -190,7 +190,8 @@ class EngineWorker(BaseWorker):
                 grammar = isinstance(comp.stop_reason, str)
                 self.send(RequestFailed(out.request_id, self.instance_id, comp.stop_reason if grammar else
                                         "the request's media KV was evicted here and cannot be recomputed "
-                                        "without its embeddings", retryable=not grammar, status=400 if grammar else 503))
+                                        "without its embeddings", retryable=not grammar,
+                                        status=400 if grammar else 503))
                 continue
             lps = [TokenLogprob.from_output(comp.logprobs[-1])] if comp.logprobs and comp.token_ids else []
             self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,

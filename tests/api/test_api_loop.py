@@ -211,7 +211,8 @@ def test_a_full_cpu_pool_is_a_503_for_chat_and_a_failed_realtime_response(monkey
 
         tok = build_tiny_tokenizer()
         api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=8, tokenizer=tok, metrics=None,
-                              router=SimpleNamespace(has_pool=lambda role: False), processor=text_processor(), state=ApiState(), max_pending_requests=4,
+                              router=SimpleNamespace(has_pool=lambda role: False), processor=text_processor(),
+                              state=ApiState(), max_pending_requests=4,
                               prompt=ConversationPrompt(tok, text_processor(), 64))
         session = RealtimeSession(ws=None, api=api)
 

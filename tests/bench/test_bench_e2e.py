@@ -91,7 +91,8 @@ def test_multimodal_and_trace_replay(llava_server, tmp_path):
     scale = res["bench"]["trace_scale"]
     assert scale == pytest.approx(0.9 * int(0.9 * 2048) / 4300)  # the longest row fills 90 % of 90 % of 2048
     assert [r["scheduled_s"] for r in run["records"]] == pytest.approx([0.0, 0.05, 0.1])
-    assert all(r["ok"] and r["n_out"] == round(300 * scale) for r in run["records"]), [r["error"] for r in run["records"]]
+    assert all(r["ok"] and r["n_out"] == round(300 * scale) for r in run["records"]), \
+        [r["error"] for r in run["records"]]
     # prompts came out near their scaled lengths in real tokens (plus the chat template)
     for rec, i in zip(run["records"], range(3)):
         assert rec["prompt_tokens"] == pytest.approx(round((3000 + 500 * i) * scale), rel=0.15)

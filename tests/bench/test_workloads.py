@@ -48,7 +48,8 @@ def test_system_prompt_shared_or_unique():
     assert len({s.messages[0]["content"] for s in shared}) == 1
     assert len(shared[0].messages[0]["content"].split()) == 50 and shared[0].messages[0]["role"] == "system"
     # the same system prompt whatever the seed: a sweep's later runs hit it too
-    assert build_requests("chat", 1, WorkloadOptions(system_prompt_len=50), seed=9)[0].messages[0] == shared[0].messages[0]
+    again = build_requests("chat", 1, WorkloadOptions(system_prompt_len=50), seed=9)
+    assert again[0].messages[0] == shared[0].messages[0]
     unique = build_requests("chat", 4, WorkloadOptions(system_prompt_len=50, system_prompt="unique"), seed=3)
     assert len({s.messages[0]["content"] for s in unique}) == 4
 

@@ -161,7 +161,9 @@ def test_image_parity_across_hosts(dep, image_expected):
 
 def test_a_peer_without_the_keys_changes_nothing(dep, image_expected, tmp_path):
     before_workers = dep.stats()
-    enc_metrics = lambda: dep.c.run_in("api", httpx.get, f"http://{dep.c.addr('enc')}:9100/metrics", timeout=30).text
+    def enc_metrics() -> str:
+        return dep.c.run_in("api", httpx.get, f"http://{dep.c.addr('enc')}:9100/metrics", timeout=30).text
+
     queries = metric_sum(enc_metrics(), "epd_encoder_cache_queries_total")
     result: dict = {}
     # A stream is in flight while the attack runs: an Abort that got in would end it.

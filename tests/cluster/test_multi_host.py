@@ -270,7 +270,8 @@ def test_churn_no_request_hangs_or_is_lost(dep, expected):
         return done
 
     def churn():
-        plan = [("start", "dec-b", "decode", "decode-3"), ("term", "decode-2"), ("start", "pre2", "prefill", "prefill-2"),
+        plan = [("start", "dec-b", "decode", "decode-3"), ("term", "decode-2"),
+                ("start", "pre2", "prefill", "prefill-2"),
                 ("kill", "prefill-1"), ("start", "dec-d", "decode", "decode-4"), ("term", "decode-3"),
                 ("kill", "decode-4"), ("term", "prefill-2")]
         try:

@@ -46,8 +46,8 @@ def test_copies_every_package_and_the_build_inputs():
     for src in copied:
         assert (ROOT / src).exists(), src
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
-    assert ignore[[i for i, l in enumerate(ignore) if l.strip() and not l.startswith("#")][0]] == "*"
-    allowed = {l[1:].rstrip("/") for l in ignore if l.startswith("!")}
+    assert ignore[[i for i, line in enumerate(ignore) if line.strip() and not line.startswith("#")][0]] == "*"
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
     assert copied <= allowed, f"excluded from the build context: {sorted(copied - allowed)}"
 
 

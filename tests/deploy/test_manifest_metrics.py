@@ -327,10 +327,10 @@ def test_each_scrape_target_serves_its_pools_signals(tmp_path_factory):
             time.sleep(1)
         assert not problems, f"missing from the scrape targets: {problems}"
     finally:
-        for name, proc in procs.items():
+        for proc in procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
-        for name, proc in procs.items():
+        for proc in procs.values():
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:

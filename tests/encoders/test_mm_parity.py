@@ -74,7 +74,8 @@ def test_llava_parity(kind, mm_dirs):
         ids = _expand(tok.encode(text), ref.config.image_token_id, [16] * len(images))
         pv = proc(images=images, return_tensors="pt")["pixel_values"]
         with torch.inference_mode():
-            out = ref.generate(torch.tensor([ids]), pixel_values=pv, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            out = ref.generate(torch.tensor([ids]), pixel_values=pv,
+                               attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                max_new_tokens=MAX_TOKENS, do_sample=False)
         expected.append(out[0, len(ids):].tolist())
     got = llm.generate(requests, params)

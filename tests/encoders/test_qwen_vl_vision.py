@@ -75,7 +75,8 @@ def test_encoder_equals_transformers_and_positions_equal_get_rope_index(qwen_dir
     cfg = reference.config
     grids = torch.stack([it.data["image_grid_thw"] for it in processed.items])
     assert [p.length for p in processed.placeholders] == (grids.prod(-1) // 4).tolist()
-    assert sum(t == cfg.image_token_id for t in processed.prompt_token_ids) == sum(p.length for p in processed.placeholders)
+    n_image_tokens = sum(t == cfg.image_token_id for t in processed.prompt_token_ids)
+    assert n_image_tokens == sum(p.length for p in processed.placeholders)
 
     runner = EncoderRunner(qwen_dir, AutoConfig.from_pretrained(qwen_dir))
     got = runner.encode(processed.items)
@@ -173,7 +174,8 @@ def test_video_prompt_positions_and_tower_equal_transformers(qwen_dir, processor
     types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
     assert int((types == 2).sum()) == video.num_tokens
     want, want_delta = reference.model.get_rope_index(
-        ids, types, image_grid_thw=image.data["image_grid_thw"][None], video_grid_thw=video.data["video_grid_thw"][None],
+        ids, types, image_grid_thw=image.data["image_grid_thw"][None],
+        video_grid_thw=video.data["video_grid_thw"][None],
         second_per_grid_ts=video.data["second_per_grid_t"])
     pos, delta = prompt_mrope_positions(ids.shape[1], processed.placeholders)
     assert torch.equal(pos, want[:, 0]) and delta == int(want_delta)

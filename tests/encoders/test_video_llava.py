@@ -51,7 +51,8 @@ def _reference(model_dir: str, text: str, images: list[Image.Image]) -> list[int
         ids += [t] * (16 if t == ref.config.image_token_id else 1)
     pv = AutoImageProcessor.from_pretrained(model_dir)(images=images, return_tensors="pt")["pixel_values"]
     with torch.inference_mode():
-        out = ref.generate(torch.tensor([ids]), pixel_values=pv, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        out = ref.generate(torch.tensor([ids]), pixel_values=pv,
+                           attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                            max_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, len(ids):].tolist()
 

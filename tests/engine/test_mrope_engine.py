@@ -46,7 +46,8 @@ def _cases(tok):
         (chat(vid, {"type": "text", "text": "what moved?"}), {"video": [_frames(3)]}),
         # 16 frames 1 s apart: time ids 0, 4, .., 28 run past the text after the video (5.24's
         # get_rope_index continues it at the span's start + max(h, w)), so decoding starts after a gap
-        (chat(img, vid, {"type": "text", "text": "same?"}), {"image": [_image(4, (40, 40))], "video": [_frames(5, 16)]}),
+        (chat(img, vid, {"type": "text", "text": "same?"}),
+         {"image": [_image(4, (40, 40))], "video": [_frames(5, 16)]}),
         (chat({"type": "text", "text": "hello there"}), {}),
     ]
 

@@ -71,7 +71,8 @@ def test_a_long_prompt_is_spread_over_steps_that_fit_the_target():
         decodes = [s for s in out.scheduled if s.num_tokens == 1 and s.seq is not long]
         assert len(decodes) == 8  # every decoding stream still gets its token
         chunks.append(mine[0].num_tokens)
-        step_ms = _cost(len(decodes), sum(s.start + 1 for s in decodes), [(mine[0].num_tokens, mine[0].start + mine[0].num_tokens)])
+        step_ms = _cost(len(decodes), sum(s.start + 1 for s in decodes),
+                        [(mine[0].num_tokens, mine[0].start + mine[0].num_tokens)])
         assert step_ms <= 60.0 * 1.05 or mine[0].num_tokens == bs
         sched.observe(out, step_ms)
         sched.update(out, {s.seq.seq_id: 5 for s in out.scheduled if s.sample})

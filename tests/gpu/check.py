@@ -318,7 +318,8 @@ def check_staged(dev: str) -> dict:
                     for tg in send.targets:
                         if tg.rank == r:
                             local = (mine[layer].data_ptr(), send.part_bytes, tensor_region(mine)[2])
-                            t.write("gpucheck-decode", [local], [(tg.remote[layer], send.part_bytes, tg.device)]).wait(30)
+                            remote = (tg.remote[layer], send.part_bytes, tg.device)
+                            t.write("gpucheck-decode", [local], [remote]).wait(30)
                             writes += 1
             elapsed = time.monotonic() - t0
             a.send("done")

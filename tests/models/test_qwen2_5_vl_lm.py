@@ -60,8 +60,8 @@ def test_mrope_lm_greedy_equals_transformers_with_two_images(qwen_dir):
     proc = MultiModalProcessor(qwen_dir, cfg)
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 256, hw + (3,), dtype=np.uint8)) for hw in ((30, 40), (64, 20))]
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
-                                                                 {"type": "image"}, {"type": "text", "text": " now?"}]}],
+    content = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}, {"type": "text", "text": " now?"}]
+    text = tok.apply_chat_template([{"role": "user", "content": content}],
                                    add_generation_prompt=True, tokenize=False)
     processed = proc.process(tok.encode(text), {"image": images})
     ids = torch.tensor(processed.prompt_token_ids)

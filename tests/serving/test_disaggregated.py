@@ -77,7 +77,8 @@ def _check_llava(server, llava_expected) -> None:
         r = client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert r.choices[0].text == expected
     for (prompt, seeds), expected in zip(IMAGE_CASES, image_expected):
-        r = client.chat.completions.create(model=server.model, messages=_chat_messages(prompt, [_png(s) for s in seeds]),
+        r = client.chat.completions.create(model=server.model,
+                                           messages=_chat_messages(prompt, [_png(s) for s in seeds]),
                                            max_tokens=MAX_TOKENS, temperature=0)
         assert r.choices[0].message.content == expected
     # Streaming gives the same text.

@@ -273,7 +273,8 @@ class TestTextPD:
         """Row 25 (CVE-2026-34756): n=10**7 had the server build per-choice state until it
         ran out of memory, before scheduling. Here n=10**7 (completions and chat, streamed or
         not, one prompt or a batch) gets a 400 naming the limit (--max-n, 8) and param "n"
-        (a batch: "prompt", its prompts x n being what is limited) at once; no worker sees a request (the prefill worker's prefix-cache lookups and the
+        (a batch: "prompt", its prompts x n being what is limited) at once; no worker sees a
+        request (the prefill worker's prefix-cache lookups and the
         decode worker's free blocks do not move), and the server serves on."""
         server = text_pd
         before = server.workers()

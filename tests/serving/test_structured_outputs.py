@@ -194,7 +194,8 @@ def _nested(depth: int) -> dict:
 
 
 def test_a_body_nested_past_the_parsers_recursion_is_a_400(server):
-    deep = '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    deep = ('{"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": '
+            + "[" * 100_000 + "]" * 100_000 + "}")
     with httpx.Client(timeout=60) as http:  # one keep-alive connection: it must survive
         r = http.post(server.url + "/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text

@@ -417,7 +417,8 @@ def test_bandwidth_report(peer_a, side_b):
     lines = []
     for op in ("write", "read"):
         fn = getattr(b, op)
-        for label, loc, rem in (("1 x 64 MiB", [big_b], [big_a]), ("4096 x 16 KiB scattered", scattered_l, scattered_r)):
+        cases = (("1 x 64 MiB", [big_b], [big_a]), ("4096 x 16 KiB scattered", scattered_l, scattered_r))
+        for label, loc, rem in cases:
             times, post = [], []
             for _ in range(6):
                 t0 = time.perf_counter()

@@ -234,15 +234,16 @@ class ResponseStream:
             resp.item.status = "completed" if resp.status == "completed" else "incomplete"
             if self.audio:
                 s.emit("response.output_audio.done", **self.ids, output_index=self.msg_index, content_index=0)
-                s.emit("response.output_audio_transcript.done", **self.ids, output_index=self.msg_index, content_index=0,
-                       transcript=text)
+                s.emit("response.output_audio_transcript.done", **self.ids, output_index=self.msg_index,
+                       content_index=0, transcript=text)
                 s.emit("response.content_part.done", **self.ids, output_index=self.msg_index, content_index=0,
                        part={"type": "audio", "transcript": text})
             else:
                 s.emit("response.output_text.done", **self.ids, output_index=self.msg_index, content_index=0, text=text)
                 s.emit("response.content_part.done", **self.ids, output_index=self.msg_index, content_index=0,
                        part={"type": "text", "text": text})
-            s.emit("response.output_item.done", response_id=resp.id, output_index=self.msg_index, item=resp.item.to_json())
+            s.emit("response.output_item.done", response_id=resp.id, output_index=self.msg_index,
+                   item=resp.item.to_json())
             if resp.in_conversation:
                 s.emit("conversation.item.done", item=resp.item.to_json())
         if resp.usage is not None:

@@ -312,7 +312,8 @@ def check_prefix_cache(w: Window, s: Settings) -> list[Check]:
         queries, hits = w.counter(PREFIX_QUERIES, pool=pool), w.counter(PREFIX_HITS, pool=pool)
         if queries < PREFIX_MIN_QUERY_TOKENS:
             out.append(Check(cid, "not_evaluated", pool, f"{queries:.0f} prompt tokens looked up in the prefix "
-                             f"cache in the window, need {PREFIX_MIN_QUERY_TOKENS} (0 also when the engine runs without prefix caching)"))
+                             f"cache in the window, need {PREFIX_MIN_QUERY_TOKENS} (0 also when the engine runs "
+                             "without prefix caching)"))
             continue
         rate, policies, n = hits / queries, _policies(w, pool), w.instances(pool)
         ev = {"hit_rate": rate, "query_tokens": queries, "hit_tokens": hits, "instances": n,

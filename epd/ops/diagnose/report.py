@@ -39,7 +39,8 @@ class Report:
 
     @property
     def status(self) -> str:
-        """``symptoms``, ``healthy``, ``no_traffic`` or ``too_little_traffic`` (the package docstring, :mod:`epd.ops.diagnose`)."""
+        """``symptoms``, ``healthy``, ``no_traffic`` or ``too_little_traffic`` (the package docstring,
+        :mod:`epd.ops.diagnose`)."""
         if self.symptoms:
             return "symptoms"
         if any(c.status in ("ok", "symptom") for c in self.checks):

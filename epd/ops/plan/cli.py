@@ -132,7 +132,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     help="decode batch sizes (default: 1,2,4,8)")
     pr.add_argument("--contexts", type=_positive_ints, default=DEFAULT_CONTEXTS,
                     help="decode prompt lengths, tokens (default: 64,512)")
-    pr.add_argument("--decode-tokens", type=positive_int, default=64, help="tokens per decode request (default: %(default)s)")
+    pr.add_argument("--decode-tokens", type=positive_int, default=64,
+                    help="tokens per decode request (default: %(default)s)")
     pr.add_argument("--prefill-under-decode", type=_non_negative_ints, default=(0, 4, 16), metavar="STREAMS",
                     help="time prefill alone (0) and/or while this many long streamed decode requests run, "
                          "comma-separated, e.g. 0,4,16: two or more counts give the interference table that "
@@ -146,7 +147,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                          "--prefill-under-decode; default: 0,0.5,1; 0 alone: no table)")
     pr.add_argument("--prefill-load-tokens", type=positive_int, default=512,
                     help="input tokens of each background prefill of --decode-under-prefill (default: 512)")
-    pr.add_argument("--timeout", type=positive_float, default=300.0, help="seconds one request may take (default: %(default)g)")
+    pr.add_argument("--timeout", type=positive_float, default=300.0,
+                    help="seconds one request may take (default: %(default)g)")
     pr.set_defaults(func=cmd_profile)
 
     c = psub.add_parser("correct", help="fit the profile to a live server's traffic (correction factors)",
