@@ -44,3 +44,16 @@ def test_no_module_is_over_600_lines(folder):
 def test_epd_root_holds_only_core_and_wire_types():
     loose = {p.stem for p in (ROOT / "epd").glob("*.py")} - ROOT_MODULES
     assert not loose, f"move these into a package of epd/: {sorted(loose)}"
+
+
+def test_pyproject_lists_every_package():
+    """A package left out of ``[tool.setuptools] packages`` is missing from a non-editable install."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for package, folder in setup["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            found.add(".".join((package, *init.parent.relative_to(ROOT / folder).parts)))
+    assert found == set(setup["packages"]), {"not listed": sorted(found - set(setup["packages"])),
+                                              "listed, absent": sorted(set(setup["packages"]) - found)}
