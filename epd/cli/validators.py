@@ -10,12 +10,17 @@ from __future__ import annotations
 import argparse
 
 
+def _parse(text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'a number' if kind is float else 'a whole number'}") \
+            from None
+
+
 def non_negative_float(text: str) -> float:
     """A float >= 0 (nan refused)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    x = _parse(text, float)
     if not x >= 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return x
@@ -23,10 +28,7 @@ def non_negative_float(text: str) -> float:
 
 def positive_float(text: str) -> float:
     """A finite float > 0 (nan and inf refused)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    x = _parse(text, float)
     if not (x > 0 and x != float("inf")):  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be a number > 0 (finite), got {text}")
     return x
@@ -34,21 +36,15 @@ def positive_float(text: str) -> float:
 
 def non_negative_int(text: str) -> int:
     """A whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    n = _parse(text, int)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
 
 
 def positive_int(text: str) -> int:
     """A whole number >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    n = _parse(text, int)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
