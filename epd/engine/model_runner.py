@@ -101,10 +101,18 @@ class ModelRunner:
 
             max_blocks = -(-config.max_model_len // config.block_size)
             self.graphs = DecodeGraphs(self.forward, config.graph_sizes(), max_blocks, self.device, capture=True)
-        if self.device.type == "cpu":  # the in-place decode kernel, built once per machine (`make install`)
-            from epd.kernels import cpu_attention
+        if config.quantization == "int8":  # weight-only, per output channel (epd.kernels.linear)
+            for m in self.model.modules():
+                if hasattr(m, "quantize"):
+                    m.quantize()
+        self.fused = None
+        if self.device.type == "cpu":  # the CPU kernels, built once per machine (`make install`)
+            from epd.engine.cpu_decode import FusedCPUDecode, unsupported_reason
+            from epd.kernels.cpu_extension import load
 
-            cpu_attention.load()
+            ext = load()
+            if ext is not None and unsupported_reason(self.model, config) is None:
+                self.fused = FusedCPUDecode(self.model, ext)
 
     # ---- rank 0 -------------------------------------------------------
     def execute(self, step: StepInput, mm_embeds: torch.Tensor | None = None,
@@ -215,8 +223,12 @@ class ModelRunner:
             channel_fill=fill,
         )
         try:
-            with set_attention_metadata(md):
-                hidden = self.forward(input_ids, lay.positions.to(dev), inputs_embeds)
+            if self.fused is not None and self.fused.eligible(lay, step):
+                hidden = self.fused.run(input_ids, lay.positions, md.slot_mapping, md.decode_block_tables,
+                                        md.decode_context_lens, md.layer_hook)
+            else:
+                with set_attention_metadata(md):
+                    hidden = self.forward(input_ids, lay.positions.to(dev), inputs_embeds)
             self.layer_gate.flush()
         finally:
             self.layer_gate.discard()  # a failed forward posts none of its remaining sends
@@ -301,7 +313,8 @@ def engine_config_to_json(config: EngineConfig) -> str:
     fields = ("model", "tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens",
               "max_prefill_tokens_with_decodes", "target_step_ms", "max_model_len", "enable_prefix_caching",
               "num_kv_blocks", "kv_cache_memory_gb",
-              "dtype", "kv_cache_dtype", "device", "seed", "compile", "enforce_eager", "cuda_graph_sizes")
+              "dtype", "kv_cache_dtype", "quantization", "device", "seed", "compile", "enforce_eager",
+              "cuda_graph_sizes")
     return json.dumps({f: getattr(config, f) for f in fields})
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
+from epd.kernels.linear import linear, quantize_int8
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,10 +45,26 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head sharing the embedding's vocab split; logits gathered on rank 0.
 
     hidden: [n, hidden] -> logits [n, vocab] (fp32) on rank 0, None on others.
+    With ``quantize()`` (``--quantization int8``) the head multiplies an int8 copy of its
+    weight ([V/tp, hidden] and a [V/tp] fp32 scale); ``weight`` stays, as a tied embedding
+    still looks tokens up in it.
     """
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.qweight: torch.Tensor | None = None
+        self.weight_scale: torch.Tensor | None = None
+
+    def quantize(self) -> None:
+        """Multiply by an int8 per-row quantization of the weight from now on."""
+        self.qweight, self.weight_scale = quantize_int8(self.weight.data)
+        self.weight_scale = self.weight_scale.to(self.qweight.device)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        if self.qweight is not None:
+            logits = linear(hidden, self.qweight, None, self.weight_scale)
+        else:
+            logits = linear(hidden, self.weight)
         logits = gather_last_dim(logits)
         if logits is None:
             return None

@@ -8,10 +8,10 @@ copies this rank's slice of a full checkpoint tensor. Source: Megatron-LM
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from epd.distributed import all_reduce, tp_rank, tp_size
+from epd.kernels.linear import linear, quantize_int8
 
 
 class _Linear(nn.Module):
@@ -26,6 +26,13 @@ class _Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.weight_scale: torch.Tensor | None = None  # [out] fp32 once the weight is int8 (quantize)
+
+    def quantize(self) -> None:
+        """Replace the weight by its int8 per-output-channel quantization (``--quantization int8``)."""
+        q, scale = quantize_int8(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale.to(q.device)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.tp_dim is not None and self.tp_dim < loaded.dim():
@@ -42,7 +49,7 @@ class ColumnParallelLinear(_Linear):
         super().__init__(in_features, out_features // tp_size(), bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -95,7 +102,7 @@ class RowParallelLinear(_Linear):
             super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.weight_scale)
         if self.tp_size > 1:
             all_reduce(y)
         if self.bias is not None:

@@ -10,7 +10,8 @@
 // Shapes (contiguous): q [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks,
 // block_size, num_kv_heads, head_dim]; block_tables [num_seqs, max_num_blocks] int32;
 // context_lens [num_seqs] int32. Returns [num_seqs, num_heads, head_dim] in q's dtype.
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -108,6 +109,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 }  // namespace
 
+namespace epd {
+
 at::Tensor paged_decode_attention_cpu(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                       at::Tensor block_tables, at::Tensor context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
@@ -130,7 +133,4 @@ at::Tensor paged_decode_attention_cpu(at::Tensor q, at::Tensor k_cache, at::Tens
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention_cpu", &paged_decode_attention_cpu,
-        "Paged decode attention over the paged KV cache, in place (CPU, fp32/bf16)");
-}
+}  // namespace epd
