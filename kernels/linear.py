@@ -1,24 +1,37 @@
-"""Linear layers on epd's CPU kernels, and int8 weight-only quantization.
+"""Linear layers on epd's CPU kernel, and int8 weight-only quantization.
 
-:func:`linear` is ``F.linear`` for the model's layers: on the CPU, for the few rows of a
-decode step, it runs the extension's memory-bound kernel (``csrc/linear_cpu.cpp``), which
-streams the weights once per call whatever the row count (oneDNN's GEMM pays a fixed
-per-call cost that dominates a 135M model's decode step); larger inputs (prefill chunks) go
-to torch's GEMM. int8 weights (:func:`quantize_int8`: symmetric, one fp32 scale per output
-channel, as vLLM's W8A16 and llama.cpp's q8_0 with a row-long block) are multiplied in place
-by the kernel for a few rows, and dequantized to the activations' dtype for a GEMM.
+On the CPU, once its weights are loaded, a linear layer packs them into the layout of the
+extension's GEMM (``csrc/linear_cpu.cpp``: column blocks of 16 output channels, k pairs
+interleaved for AVX512-BF16) and keeps only the packed copy (:class:`PackedWeight`). The
+kernel streams each weight once per call whatever the row count, so a decode step's few
+rows run at the memory bound, where oneDNN's GEMM pays a fixed per-call cost that
+dominates a small model's step; it is as fast as oneDNN on prefill chunks too
+(benchmarks/README.md, "Engine speed"). int8 weights (:func:`quantize_int8`: symmetric,
+one fp32 scale per output channel, as vLLM's W8A16 and llama.cpp's q8_0 with a row-long
+block) are widened in registers. Off the CPU, or where the extension is not built, the
+layer keeps its [N, K] weight for ``F.linear`` (int8 dequantized per call).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from epd.kernels.cpu_extension import load
 
-#: rows up to which the CPU kernel runs a linear layer; above it, torch's GEMM (oneDNN)
-#: is faster (benchmarks/README.md, "Engine speed": the crossover on this machine)
-CPU_KERNEL_MAX_ROWS = 16
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A linear layer's weight in the CPU kernel's layout.
+
+    data: [ceil(N / 16), ceil(K / 2), 16, 2] bf16 or int8, or [ceil(N / 16), K, 16] fp32,
+    zero-padded; out_features: N; scale: [N] fp32 for int8 (else None)."""
+
+    data: torch.Tensor
+    out_features: int
+    scale: torch.Tensor | None = None
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,25 +51,38 @@ def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return (qweight.float() * scale[:, None]).to(dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> PackedWeight | None:
+    """``weight`` [N, K] (fp32, bf16, or int8 with ``scale`` [N]) packed for the CPU
+    kernel, or None where it does not apply (not on the CPU, another dtype, no extension)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        return None
+    ext = load()
+    if ext is None:
+        return None
+    return PackedWeight(ext.pack_linear_weight(weight), weight.shape[0], scale)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias).
 
     Args:
-        x: ``[..., K]`` fp32 or bf16 (any float dtype off the CPU kernel's path).
-        weight: ``[N, K]`` in x's dtype, or int8 with ``weight_scale`` ``[N]`` fp32.
-        bias: ``[N]`` or None, added in fp32 before rounding to x's dtype on the kernel path.
+        x: ``[..., K]`` (fp32 or bf16 on the packed path).
+        weight: a :class:`PackedWeight` (the CPU kernel; bf16 weights take bf16 x, fp32
+            weights fp32 x, int8 either), or ``[N, K]`` in x's dtype, or int8 with
+            ``weight_scale`` ``[N]`` fp32.
+        bias: ``[N]`` or None (added in fp32 before rounding on the packed path).
 
     Returns:
         ``[..., N]`` in x's dtype.
+
+    Raises:
+        RuntimeError: x's dtype or width does not match a packed weight.
     """
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (x.device.type == "cpu" and 0 < rows <= CPU_KERNEL_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
-            and (weight.dtype == x.dtype or weight_scale is not None)):
-        ext = load()
-        if ext is not None:
-            y = ext.linear(x.reshape(rows, x.shape[-1]), weight, bias, weight_scale)
-            return y.view(*x.shape[:-1], weight.shape[0])
+    if isinstance(weight, PackedWeight):
+        rows = x.reshape(-1, x.shape[-1])
+        y = load().linear(rows, weight.data, weight.out_features, bias, weight.scale)
+        return y.view(*x.shape[:-1], weight.out_features)
     if weight_scale is not None:
         weight = dequantize_int8(weight, weight_scale, x.dtype)
     return F.linear(x, weight, bias)

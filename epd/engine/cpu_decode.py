@@ -43,6 +43,8 @@ def unsupported_reason(model: nn.Module, config) -> str | None:
         return f"model {type(model).__name__}"
     if any(not isinstance(layer.self_attn.rotary_emb, RotaryEmbedding) for layer in model.model.layers):
         return "M-RoPE"
+    if any(layer.self_attn.qkv_proj.packed is None for layer in model.model.layers):
+        return "weights not packed for the CPU kernel"
     return None
 
 
@@ -50,10 +52,10 @@ def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None]:
     """One decoder layer's tensors in ``FusedDecoder``'s slot order."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-    return [layer.input_layernorm.weight, qkv.weight, qkv.bias, qkv.weight_scale,
+    return [layer.input_layernorm.weight, qkv.packed.data, qkv.bias, qkv.weight_scale,
             attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None,
-            o.weight, o.bias, o.weight_scale, layer.post_attention_layernorm.weight,
-            gu.weight, gu.bias, gu.weight_scale, down.weight, down.bias, down.weight_scale,
+            o.packed.data, o.bias, o.weight_scale, layer.post_attention_layernorm.weight,
+            gu.packed.data, gu.bias, gu.weight_scale, down.packed.data, down.bias, down.weight_scale,
             attn.attn.k_cache, attn.attn.v_cache]
 
 
@@ -73,7 +75,10 @@ class FusedCPUDecode:
         rope = attn.rotary_emb
         eps = model.model.norm.eps
         self.model = model
-        self.decoder = ext.FusedDecoder([_layer_tensors(layer) for layer in layers], model.model.norm.weight,
+        mlp = layers[0].mlp
+        out = [attn.qkv_proj.packed.out_features, attn.o_proj.packed.out_features,
+               mlp.gate_up_proj.packed.out_features, mlp.down_proj.packed.out_features]
+        self.decoder = ext.FusedDecoder([_layer_tensors(layer) for layer in layers], out, model.model.norm.weight,
                                         rope.cos, rope.sin, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                         float(eps), float(attn.attn.scale))
         self.all_reduce = all_reduce if tp_size() > 1 else None

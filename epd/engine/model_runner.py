@@ -101,10 +101,9 @@ class ModelRunner:
 
             max_blocks = -(-config.max_model_len // config.block_size)
             self.graphs = DecodeGraphs(self.forward, config.graph_sizes(), max_blocks, self.device, capture=True)
-        if config.quantization == "int8":  # weight-only, per output channel (epd.kernels.linear)
-            for m in self.model.modules():
-                if hasattr(m, "quantize"):
-                    m.quantize()
+        for m in self.model.modules():  # int8 weights (--quantization); the CPU kernel's packing
+            if hasattr(m, "process_weights_after_loading"):
+                m.process_weights_after_loading(config.quantization)
         self.fused = None
         if self.device.type == "cpu":  # the CPU kernels, built once per machine (`make install`)
             from epd.engine.cpu_decode import FusedCPUDecode, unsupported_reason

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
-from epd.kernels.linear import linear, quantize_int8
+from epd.kernels.linear import PackedWeight, linear, pack_weight, quantize_int8
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -45,26 +45,28 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head sharing the embedding's vocab split; logits gathered on rank 0.
 
     hidden: [n, hidden] -> logits [n, vocab] (fp32) on rank 0, None on others.
-    With ``quantize()`` (``--quantization int8``) the head multiplies an int8 copy of its
-    weight ([V/tp, hidden] and a [V/tp] fp32 scale); ``weight`` stays, as a tied embedding
-    still looks tokens up in it.
+    After ``process_weights_after_loading`` the head multiplies its own copy of the
+    weight: int8 with a [V/tp] fp32 scale (``quantization="int8"``), packed for the CPU
+    kernel on the CPU; ``weight`` stays, as a tied embedding still looks tokens up in it.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        self.qweight: torch.Tensor | None = None
+        self.head_weight: torch.Tensor | PackedWeight | None = None
         self.weight_scale: torch.Tensor | None = None
 
-    def quantize(self) -> None:
-        """Multiply by an int8 per-row quantization of the weight from now on."""
-        self.qweight, self.weight_scale = quantize_int8(self.weight.data)
-        self.weight_scale = self.weight_scale.to(self.qweight.device)
+    def process_weights_after_loading(self, quantization: str | None) -> None:
+        """Quantize (``"int8"``) and, on the CPU, pack the head's copy of the weight."""
+        w, scale = self.weight.data, None
+        if quantization == "int8":
+            w, scale = quantize_int8(w)
+            scale = scale.to(w.device)
+        self.weight_scale = scale
+        self.head_weight = pack_weight(w, scale) or (w if scale is not None else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.qweight is not None:
-            logits = linear(hidden, self.qweight, None, self.weight_scale)
-        else:
-            logits = linear(hidden, self.weight)
+        weight = self.head_weight if self.head_weight is not None else self.weight
+        logits = linear(hidden, weight, None, None if isinstance(weight, PackedWeight) else self.weight_scale)
         logits = gather_last_dim(logits)
         if logits is None:
             return None

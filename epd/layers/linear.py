@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from epd.distributed import all_reduce, tp_rank, tp_size
-from epd.kernels.linear import linear, quantize_int8
+from epd.kernels.linear import PackedWeight, linear, pack_weight, quantize_int8
 
 
 class _Linear(nn.Module):
@@ -26,13 +26,21 @@ class _Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.weight_scale: torch.Tensor | None = None  # [out] fp32 once the weight is int8 (quantize)
+        self.weight_scale: torch.Tensor | None = None  # [out] fp32 once the weight is int8
+        self.packed: PackedWeight | None = None  # the CPU kernel's copy, then the only one
 
-    def quantize(self) -> None:
-        """Replace the weight by its int8 per-output-channel quantization (``--quantization int8``)."""
-        q, scale = quantize_int8(self.weight.data)
-        self.weight = nn.Parameter(q, requires_grad=False)
-        self.weight_scale = scale.to(q.device)
+    def process_weights_after_loading(self, quantization: str | None) -> None:
+        """Once the checkpoint is loaded (vLLM's name for the step): quantize the weight
+        (``quantization="int8"``: per output channel, ``epd.kernels.linear.quantize_int8``),
+        then, on the CPU, pack it for the kernel and drop the [out, in] copy."""
+        w = self.weight.data
+        if quantization == "int8":
+            w, self.weight_scale = quantize_int8(w)
+            self.weight_scale = self.weight_scale.to(w.device)
+        self.packed = pack_weight(w, self.weight_scale)
+        if self.packed is not None:
+            w = w.new_empty(0)
+        self.weight = nn.Parameter(w, requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.tp_dim is not None and self.tp_dim < loaded.dim():
@@ -49,7 +57,7 @@ class ColumnParallelLinear(_Linear):
         super().__init__(in_features, out_features // tp_size(), bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        return linear(x, self.packed or self.weight, self.bias, self.weight_scale)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,7 +110,7 @@ class RowParallelLinear(_Linear):
             super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.weight_scale)
+        y = linear(x, self.packed or self.weight, None, self.weight_scale)
         if self.tp_size > 1:
             all_reduce(y)
         if self.bias is not None:

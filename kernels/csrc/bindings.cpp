@@ -8,8 +8,9 @@ void bind_fused_decoder(pybind11::module_& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_cpu", &epd::paged_decode_attention_cpu,
         "Paged decode attention over the paged KV cache, in place (CPU, fp32/bf16)");
-  m.def("linear", &epd::linear_cpu, "y = x @ w.T (+ bias); w fp32/bf16, or int8 with per-row w_scale",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none(),
+  m.def("pack_linear_weight", &epd::pack_linear_weight, "[N, K] -> the packed layout of linear()");
+  m.def("linear", &epd::linear_cpu, "y = x @ w.T (* w_scale) (+ bias) on a packed weight",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("w_scale") = pybind11::none());
   m.def("add_rms_norm", &epd::add_rms_norm_cpu, "RMSNorm of x (+ residual, updated in place)");
   m.def("rope", &epd::rope_cpu, "rotate-half RoPE, in place");

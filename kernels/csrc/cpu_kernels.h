@@ -6,10 +6,13 @@
 
 namespace epd {
 
-// y = x @ w.T (+ bias). x [M, K] fp32/bf16; w [N, K] in x's dtype, or int8 with
-// w_scale [N] fp32 (per output channel). Returns [M, N] in x's dtype.
-at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                      const c10::optional<at::Tensor>& w_scale);
+// w [N, K] fp32/bf16/int8 -> its packed layout (linear_cpu.cpp): [N/16, K, 16] fp32,
+// [N/16, K/2, 16, 2] bf16 and int8 (N and K padded with zeros).
+at::Tensor pack_linear_weight(const at::Tensor& w);
+// y = x @ w.T (* w_scale) (+ bias). x [M, K] fp32/bf16; packed (pack_linear_weight) of w
+// [N, K]: fp32 (fp32 x), bf16 (bf16 x) or int8 with w_scale [N] fp32. Returns [M, N] in x's dtype.
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& w_scale);
 
 // Paged decode attention (paged_decode_cpu.cpp). q [S, H, D]; caches [B, bs, Hkv, D].
 at::Tensor paged_decode_attention_cpu(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,

@@ -35,10 +35,14 @@ c10::optional<at::Tensor> opt(const at::Tensor& t) {
 
 class FusedDecoder {
  public:
-  FusedDecoder(std::vector<std::vector<c10::optional<at::Tensor>>> layers, at::Tensor final_norm, at::Tensor cos,
-               at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
-      : final_norm_(std::move(final_norm)), cos_(cos.contiguous()), sin_(sin.contiguous()), num_heads_(num_heads),
+  // layers: kNumSlots tensors a layer (linear weights packed by pack_linear_weight);
+  // out_features: the q|k|v, o, gate|up and down linears' output sizes.
+  FusedDecoder(std::vector<std::vector<c10::optional<at::Tensor>>> layers, std::vector<int64_t> out_features,
+               at::Tensor final_norm, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
+               int64_t head_dim, double eps, double scale)
+      : out_(std::move(out_features)), final_norm_(std::move(final_norm)), cos_(cos.contiguous()), sin_(sin.contiguous()), num_heads_(num_heads),
         num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
+    TORCH_CHECK(out_.size() == 4, "FusedDecoder: 4 output sizes (q|k|v, o, gate|up, down)");
     for (auto& l : layers) {
       TORCH_CHECK(static_cast<int>(l.size()) == kNumSlots, "FusedDecoder: ", kNumSlots, " tensors a layer, got ",
                   l.size());
@@ -66,7 +70,7 @@ class FusedDecoder {
       const auto& w = layers_[l];
       const at::Tensor x = l == 0 ? add_rms_norm_cpu(residual, c10::nullopt, w[kLn1], eps_)
                                   : add_rms_norm_cpu(h, residual, w[kLn1], eps_);
-      at::Tensor qkv = linear_cpu(x, w[kQkvW], opt(w[kQkvB]), opt(w[kQkvS]));
+      at::Tensor qkv = linear_cpu(x, w[kQkvW], out_[0], opt(w[kQkvB]), opt(w[kQkvS]));
       at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads_, head_dim_});
@@ -80,12 +84,12 @@ class FusedDecoder {
       store_kv_cpu(k, v, kc, vc, slot_mapping);
       if (hook) layer_hook(static_cast<int64_t>(l));
       const at::Tensor attn = paged_decode_attention_cpu(q, kc, vc, block_tables, context_lens, scale_);
-      at::Tensor o = linear_cpu(attn.view({T, q_size}), w[kOW], c10::nullopt, opt(w[kOS]));
+      at::Tensor o = linear_cpu(attn.view({T, q_size}), w[kOW], out_[1], c10::nullopt, opt(w[kOS]));
       if (reduce) all_reduce(o);
       if (w[kOB].defined()) o.add_(w[kOB]);
       const at::Tensor x2 = add_rms_norm_cpu(o, residual, w[kLn2], eps_);
-      const at::Tensor act = silu_mul_cpu(linear_cpu(x2, w[kGuW], opt(w[kGuB]), opt(w[kGuS])));
-      h = linear_cpu(act, w[kDownW], c10::nullopt, opt(w[kDownS]));
+      const at::Tensor act = silu_mul_cpu(linear_cpu(x2, w[kGuW], out_[2], opt(w[kGuB]), opt(w[kGuS])));
+      h = linear_cpu(act, w[kDownW], out_[3], c10::nullopt, opt(w[kDownS]));
       if (reduce) all_reduce(h);
       if (w[kDownB].defined()) h.add_(w[kDownB]);
     }
@@ -94,6 +98,7 @@ class FusedDecoder {
 
  private:
   std::vector<std::vector<at::Tensor>> layers_;
+  std::vector<int64_t> out_;
   at::Tensor final_norm_, cos_, sin_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
@@ -101,8 +106,8 @@ class FusedDecoder {
 
 void bind_fused_decoder(py::module_& m) {
   py::class_<FusedDecoder>(m, "FusedDecoder")
-      .def(py::init<std::vector<std::vector<c10::optional<at::Tensor>>>, at::Tensor, at::Tensor, at::Tensor, int64_t,
-                    int64_t, int64_t, double, double>())
+      .def(py::init<std::vector<std::vector<c10::optional<at::Tensor>>>, std::vector<int64_t>, at::Tensor,
+                    at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("forward", &FusedDecoder::forward);
 }
 

@@ -13,13 +13,54 @@
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
+
+// ---- row helpers: AVX-512 where head_dim is a multiple of 16, else portable loops ----
+inline void to_f32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_f32(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= n; d += 16) {  // bf16 -> fp32 is a 16-bit shift
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; d + 16 <= n; d += 16) _mm512_storeu_ps(y + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d)));
+#endif
+  for (; d < n; ++d) y[d] += p * x[d];
+}
+
+inline void scale_row(float c, float* y, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] *= c;
+}
 
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -63,23 +104,18 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         float bmax[64];  // per group head (group <= 64 checked by the caller)
         for (int64_t g = 0; g < group; ++g) bmax[g] = neg_inf;
         for (int64_t t = 0; t < ntok; ++t) {
-          const T* kr = kb + t * tok_stride;
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(kr[d]);
+          to_f32(kb + t * tok_stride, row.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * head_dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-            s[g * block_size + t] = dot;
-            bmax[g] = std::max(bmax[g], dot);
+            const float sc = dot(qf.data() + g * head_dim, row.data(), head_dim);
+            s[g * block_size + t] = sc;
+            bmax[g] = std::max(bmax[g], sc);
           }
         }
         for (int64_t g = 0; g < group; ++g) {
           const float mnew = std::max(m[g], bmax[g]);
           const float corr = std::exp(m[g] - mnew);  // 0 on the first block (m = -inf)
           l[g] *= corr;
-          float* ag = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] *= corr;
+          scale_row(corr, acc.data() + g * head_dim, head_dim);
           for (int64_t t = 0; t < ntok; ++t) {
             const float p = std::exp(s[g * block_size + t] - mnew);
             s[g * block_size + t] = p;
@@ -88,14 +124,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           m[g] = mnew;
         }
         for (int64_t t = 0; t < ntok; ++t) {
-          const T* vr = vb + t * tok_stride;
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(vr[d]);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = s[g * block_size + t];
-            float* ag = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
-          }
+          to_f32(vb + t * tok_stride, row.data(), head_dim);
+          for (int64_t g = 0; g < group; ++g) axpy(s[g * block_size + t], row.data(), acc.data() + g * head_dim, head_dim);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
