@@ -375,3 +375,66 @@ def test_elementwise_kernels_refuse_bad_arguments():
             match="cache's dtype")
     _raises(ext.store_kv, torch.randn(2, 3, 8), torch.randn(2, 3, 8), cache, cache.clone(), torch.tensor([0, 1]),
             match="Hkv and D")
+
+
+# Arguments the kernels do not check yet (found by these tests; the kernels are not changed
+# here). Each case is built so that what the kernel reads or writes out of the arguments'
+# bounds stays inside a larger buffer this test owns. strict: once a kernel checks it, the
+# test passes and the marker must go.
+
+@pytest.mark.xfail(strict=True, reason="add_rms_norm_cpu reads w through data_ptr without checking that it is "
+                                       "contiguous: a strided w gives wrong values")
+def test_add_rms_norm_strided_weight_is_read_right_or_refused():
+    g = _gen(12)
+    x = torch.randn(3, 8, generator=g)
+    w = torch.randn(16, generator=g)[::2]
+    try:
+        got = ext.add_rms_norm(x, None, w, 1e-6)
+    except RuntimeError:
+        return
+    torch.testing.assert_close(got, _rms_norm(8, w, 1e-6)(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="rope_cpu checks cos's shape only: a sin table shorter than cos is read "
+                                       "past its end")
+def test_rope_refuses_a_sin_table_shorter_than_cos():
+    rot = _rotary(16, 8)
+    sin = rot.sin.clone()[:2]  # contiguous; rows 2.. of its storage are what the kernel would read
+    with pytest.raises(RuntimeError):
+        ext.rope(torch.randn(2, 2, 16), torch.tensor([7, 1]), rot.cos, sin)
+
+
+@pytest.mark.xfail(strict=True, reason="store_kv_cpu sizes every slot by k_cache: a smaller v_cache is written "
+                                       "past its end")
+def test_store_kv_refuses_a_v_cache_smaller_than_k_cache():
+    k, v = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+    v_buf = torch.zeros(3, 4, 2, 8)
+    k_cache, v_cache = torch.zeros(3, 4, 2, 8), v_buf[:1]
+    try:
+        ext.store_kv(k, v, k_cache, v_cache, torch.tensor([10]))  # block 2: inside k_cache, past v_cache
+    except RuntimeError:
+        pass
+    assert torch.equal(v_buf[1:], torch.zeros(2, 4, 2, 8)), "written past v_cache"
+
+
+@pytest.mark.xfail(strict=True, reason="store_kv_cpu copies k's row bytes for v too: v / v_cache of another "
+                                       "dtype than k's are copied with k's element size")
+def test_store_kv_refuses_v_of_another_dtype_than_k():
+    k, k_cache = torch.randn(2, 2, 8), torch.zeros(3, 4, 2, 8)
+    v = torch.randn(4, 2, 8).bfloat16()[:2]  # rows 2-3 lie where a 4-byte row copy reads
+    v_cache = torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        ext.store_kv(k, v, k_cache, v_cache, torch.tensor([0, 1]))
+
+
+@pytest.mark.xfail(strict=True, reason="store_kv_cpu does not check v's shape against k's, nor slot_mapping's "
+                                       "length against the rows: it reads past v / slot_mapping")
+@pytest.mark.parametrize("case", ["v_fewer_heads", "v_fewer_rows", "short_slot_mapping"])
+def test_store_kv_refuses_v_or_slots_that_do_not_match_k(case):
+    k, cache = torch.randn(4, 2, 8), torch.zeros(3, 4, 2, 8)
+    v_buf = torch.randn(4, 2, 8)
+    slot_buf = torch.tensor([0, -1, -1, -1])
+    v, slots = {"v_fewer_heads": (v_buf[:, :1], slot_buf.clone()), "v_fewer_rows": (v_buf[:3], slot_buf.clone()),
+                "short_slot_mapping": (v_buf, slot_buf[:1])}[case]
+    with pytest.raises(RuntimeError):
+        ext.store_kv(k, v, cache, cache.clone(), slots)
