@@ -107,3 +107,35 @@ def test_worker_sigterm_while_starting_exits_0(tiny_model_dirs):
     assert proc.returncode == 0, out
     assert "SIGTERM while starting" in out and "drained in" in out, out
     assert "joining" not in out, out  # it never announced itself
+
+
+def test_generate_quantization_int8_reaches_the_engine(tiny_model_dirs):
+    """`epd generate --quantization int8` runs on int8 weights: the tokens of
+    ``LLM(quantization="int8")``, whose linear layers hold int8 weights and their scales."""
+    import torch
+
+    from epd import LLM, SamplingParams
+
+    model = tiny_model_dirs["llama"]
+    r = _epd("generate", "--model", model, "--prompt", "hello world", "--max-tokens", "8", "--temperature", "0",
+             "--no-chat", "--json", "--dtype", "float32", "--quantization", "int8")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["completion_tokens"] > 0
+    llm = LLM(model, dtype="float32", quantization="int8")
+    try:
+        assert llm.engine.config.quantization == "int8"
+        qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == torch.int8 and qkv.weight_scale is not None
+        expected = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert got["token_ids"] == expected.token_ids
+
+
+@pytest.mark.parametrize("command", ["generate", "worker", "launch"])
+def test_quantization_other_than_int8_is_refused_naming_the_flag(command):
+    r = _epd(command, "--quantization", "int4", timeout=60)
+    assert r.returncode == 2
+    assert "--quantization" in r.stderr and "invalid choice: 'int4'" in r.stderr and "'int8'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

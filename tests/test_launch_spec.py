@@ -217,3 +217,42 @@ def test_launch_refuses_a_staging_pool_smaller_than_one_block(tmp_path, monkeypa
         EngineWorker.staging_blocks(EngineConfig(path, block_size=1024, dtype="float32"), 1)
     assert EngineWorker.staging_blocks(EngineConfig(path, block_size=8, dtype="float32"), 1) == 64
     assert EngineWorker.staging_blocks(EngineConfig(path, block_size=8, dtype="float32"), 0) == 0
+
+
+def test_quantization_flows_from_launch_to_each_workers_engine_config(tmp_path, monkeypatch):
+    """`epd launch --quantization int8` forwards the flag to every worker; `epd worker
+    --quantization int8` hands it to the engine's config (EngineWorker builds
+    ``EngineConfig(model, **engine_kwargs)``); anything but int8 is refused, naming it."""
+    import epd.launch.api_process
+    import epd.workers
+    from epd.cli import main
+    from epd.cli.main import build_parser
+    from epd.cli.worker import cmd_worker
+    from epd.config import EngineConfig
+    from epd.launch.config import LaunchConfig
+    from epd.models.tiny import create_tiny_model
+
+    path = str(create_tiny_model("llama", tmp_path / "llama"))
+    with pytest.raises(LaunchSpecError, match=r"quantization must be one of \('int8',\).*got 'int4'"):
+        LaunchConfig(quantization="int4")
+    assert LaunchConfig(quantization="int8").forwarded_worker_args() == ["--quantization", "int8"]
+    calls = []
+    monkeypatch.setattr(epd.launch.api_process, "serve", lambda *a, **k: calls.append(k["worker_args"]))
+    monkeypatch.setattr("asyncio.run", lambda coro: 0)
+    assert main(["launch", "--model", path, "--pools", "pd:1", "--port", "0", "--quantization", "int8"]) == 0
+    assert calls[0][calls[0].index("--quantization") + 1] == "int8"
+
+    started = []
+    monkeypatch.setattr(epd.workers, "run_worker", lambda args: started.append(args) or 0)
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # cmd_worker sets it; restored after the test
+    for role, want in (("pd", "int8"), ("decode", "int8"), ("encode", None)):
+        args = build_parser().parse_args(["worker", "--role", role, "--instance-id", "w0", "--router",
+                                          "tcp://127.0.0.1:1", "--model", path, *calls[0]])
+        args.early_signals = []
+        assert cmd_worker(args) == 0
+        kwargs = started[-1].engine_kwargs
+        assert kwargs.get("quantization") == want  # encoders run no engine: no engine settings
+        if want:
+            assert EngineConfig(path, **kwargs).quantization == "int8"
+    args = build_parser().parse_args(["worker", "--role", "pd", "--instance-id", "w0", "--router", "tcp://h:1"])
+    assert args.quantization is None

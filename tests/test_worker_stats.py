@@ -41,6 +41,27 @@ def test_worker_stats_name_the_kv_cache_dtype(llama, kv_cache_dtype, expected):
     assert not isinstance(decode(encode(StatsRequest(7))), WorkerStats)
 
 
+@pytest.mark.parametrize("quantization,expected", [(None, "none"), ("int8", "int8")])
+def test_worker_stats_and_ready_line_name_the_weight_quantization(llama, quantization, expected, capsys):
+    """``quantization`` sits next to ``kv_cache_dtype`` in ``/epd/workers``, and the worker's
+    ready line names int8 weights."""
+    from epd.workers.base import BaseWorker
+
+    s = _worker_stats(llama, quantization=quantization)
+    assert s["quantization"] == expected
+    got = decode(encode(WorkerStats("pd-0", 7, s)))
+    assert got.stats["quantization"] == expected
+    cfg = EngineConfig(llama, dtype="float32", kv_cache_memory_gb=0.01, quantization=quantization)
+    sent = []
+    fake = SimpleNamespace(_last_ready_sent=0.0, engine=SimpleNamespace(config=cfg, runner=SimpleNamespace(
+        num_blocks=8)), instance_id="pd-0", role="pd", cmd_endpoint="tcp://127.0.0.1:1",
+        args=SimpleNamespace(keys=None, router="tcp://127.0.0.1:2"), send=sent.append, _ready_msg="ready")
+    BaseWorker._send_ready(fake)
+    line = capsys.readouterr().out
+    assert sent == ["ready"] and "(pd, float32" in line
+    assert ("float32, int8 weights, KV cache float32" in line) == (quantization == "int8"), line
+
+
 def test_quantized_kv_has_more_blocks_per_gb(llama):
     full = _worker_stats(llama)
     q = _worker_stats(llama, kv_cache_dtype="int8")

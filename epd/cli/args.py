@@ -12,6 +12,7 @@ from epd.launch.config import (
     DTYPE_NAMES,
     KV_CACHE_DTYPE_NAMES,
     KV_FAILURE_POLICIES,
+    QUANTIZATION_NAMES,
     ROUTING_POLICIES,
     TOOL_CALL_PARSERS,
     VIDEO_ENCODE_SPLITS,
@@ -23,6 +24,10 @@ KV_CACHE_DTYPE_HELP = ("KV cache: auto (the model's dtype), or quantized, int8 o
                         "plus 4 bytes per 16 values of each token and KV head (int8: a float16 scale and min, and a "
                         "full block's K per channel, KIVI-style; fp8: a float32 scale): 3.2x the fp32 blocks per GB "
                         "at head_dim 64; prefill and decode workers must use the same (the router refuses a mismatch)")
+
+QUANTIZATION_HELP = ("weight-only quantization of every linear layer and the LM head: int8, one float32 scale per "
+                     "output channel (vLLM's --quantization flag, W8A16; llama.cpp's q8_0 with one block a row); "
+                     "halves the weight bytes a decode step reads against bf16 (default: none, the --dtype weights)")
 
 
 KV_AGENTS_HELP = ("NIXL agents of a tensor-parallel prefill/decode instance: rank0 (one agent, rank 0's, moves a "
@@ -45,6 +50,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                    help="model and KV cache dtype (default: auto: bfloat16 where the device computes it natively)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    p.add_argument("--quantization", choices=QUANTIZATION_NAMES, default=None, help=QUANTIZATION_HELP)
     p.add_argument("--device", default="auto")
 
 

@@ -39,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
               kv_cache_memory_gb=args.kv_cache_memory_gb, dtype=args.dtype,
-              kv_cache_dtype=args.kv_cache_dtype, device=args.device)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, device=args.device)
     load_s = time.monotonic() - t0
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -8,7 +8,14 @@ import time
 
 from epd.cli.args import KV_AGENTS_HELP, add_api_args, add_recovery_args, add_routing_args
 from epd.cli.validators import positive_int
-from epd.launch.config import DTYPE_NAMES, KV_AGENTS, KV_CACHE_DTYPE_NAMES, WORKER_ENGINE_FLAGS, LaunchConfig
+from epd.launch.config import (
+    DTYPE_NAMES,
+    KV_AGENTS,
+    KV_CACHE_DTYPE_NAMES,
+    QUANTIZATION_NAMES,
+    WORKER_ENGINE_FLAGS,
+    LaunchConfig,
+)
 from epd.roles import Role
 
 
@@ -42,7 +49,8 @@ def add_parser(sub) -> None:
                             help="forwarded to every worker (see `epd worker --help`)")
             continue
         la.add_argument(flag, type=typ, default=getattr(d, flag[2:].replace("-", "_")),
-                        choices={"--dtype": DTYPE_NAMES, "--kv-cache-dtype": KV_CACHE_DTYPE_NAMES}.get(flag),
+                        choices={"--dtype": DTYPE_NAMES, "--kv-cache-dtype": KV_CACHE_DTYPE_NAMES,
+                                 "--quantization": QUANTIZATION_NAMES}.get(flag),
                         help="forwarded to every worker (default: the worker's)")
     add_routing_args(la.add_argument_group("routing"), d)
     add_recovery_args(la.add_argument_group("failure recovery"), d)

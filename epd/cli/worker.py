@@ -6,9 +6,16 @@ import argparse
 import os
 import sys
 
-from epd.cli.args import KV_AGENTS_HELP, KV_CACHE_DTYPE_HELP
+from epd.cli.args import KV_AGENTS_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
 from epd.cli.validators import non_negative_float, non_negative_int, positive_int
-from epd.launch.config import DTYPE_NAMES, KV_AGENTS, KV_CACHE_DTYPE_NAMES, WORKER_ENGINE_FLAGS, int_list
+from epd.launch.config import (
+    DTYPE_NAMES,
+    KV_AGENTS,
+    KV_CACHE_DTYPE_NAMES,
+    QUANTIZATION_NAMES,
+    WORKER_ENGINE_FLAGS,
+    int_list,
+)
 from epd.roles import ROLE_NAMES, Role
 
 
@@ -70,6 +77,7 @@ def add_parser(sub) -> None:
                         "natively (AVX512_BF16/AMX CPUs, bf16 GPUs), else float32); every prefill and decode "
                         "worker of a deployment must use the same")
     w.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_NAMES, default="auto", help=KV_CACHE_DTYPE_HELP)
+    w.add_argument("--quantization", choices=QUANTIZATION_NAMES, default=None, help=QUANTIZATION_HELP)
     w.add_argument("--tts-engine", default="espeak", type=_tts_engine,
                    help="a tts worker's synthesizer: espeak (eSpeak NG, embedded; default), or the directory "
                         "of a Piper voice, NAME.onnx + NAME.onnx.json (needs epd[piper]; see epd.tts.load_synthesizer)")

@@ -22,7 +22,8 @@ from epd.roles import Role
 from epd.tts import check_engine as check_tts_engine
 
 __all__ = ["LaunchConfig", "ROUTING_POLICIES", "KV_FAILURE_POLICIES", "WORKER_ENGINE_FLAGS", "DTYPE_NAMES",
-           "KV_CACHE_DTYPE_NAMES", "KV_AGENTS", "TOOL_CALL_PARSERS", "VIDEO_ENCODE_SPLITS", "int_list"]
+           "KV_CACHE_DTYPE_NAMES", "QUANTIZATION_NAMES", "KV_AGENTS", "TOOL_CALL_PARSERS", "VIDEO_ENCODE_SPLITS",
+           "int_list"]
 
 #: routing policies per pool, the default first (epd.router.policies.POLICIES, kept here so
 #: `epd --help` need not import torch; tests check that the two agree)
@@ -44,6 +45,9 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 #: ``--kv-cache-dtype``: the model's dtype, or a quantized cache (``fp8`` = ``fp8_e4m3``, as vLLM)
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8_e4m3", "fp8")
+#: ``--quantization``: weight-only quantization of the linear layers (epd.config.EngineConfig.quantization;
+#: not given: the model's dtype)
+QUANTIZATION_NAMES = ("int8",)
 #: ``--kv-agents``: NIXL agents of a TP instance (epd.transfer.rank_agent)
 KV_AGENTS = ("rank0", "per-rank")
 
@@ -69,7 +73,7 @@ WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-n
                        ("--max-prefill-tokens-with-decodes", int), ("--target-step-ms", float),
                        ("--kv-cache-memory-gb", float),
                        ("--num-kv-blocks", int), ("--max-model-len", int), ("--dtype", str),
-                       ("--kv-cache-dtype", str),
+                       ("--kv-cache-dtype", str), ("--quantization", str),
                        ("--compile", bool), ("--enforce-eager", bool), ("--cuda-graph-sizes", int_list),
                        ("--tts-engine", str))
 
@@ -108,6 +112,7 @@ class LaunchConfig:
     max_model_len: int | None = None
     dtype: str | None = None
     kv_cache_dtype: str | None = None
+    quantization: str | None = None  # one of QUANTIZATION_NAMES (None: the model's dtype)
     compile: bool | None = None
     enforce_eager: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
@@ -168,6 +173,9 @@ class LaunchConfig:
             raise LaunchSpecError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
             raise LaunchSpecError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_NAMES}, got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_NAMES:
+            raise LaunchSpecError(f"quantization must be one of {QUANTIZATION_NAMES} (or not given: the model's "
+                                  f"dtype), got {self.quantization!r}")
         if self.tts_engine is not None:
             try:
                 check_tts_engine(self.tts_engine)

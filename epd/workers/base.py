@@ -212,6 +212,8 @@ class BaseWorker:
             dtype = f", {str(engine.config.torch_dtype).removeprefix('torch.')}" if engine is not None else ""
             if engine is not None:
                 cfg = engine.config
+                if cfg.quantization:
+                    dtype += f", {cfg.quantization} weights"
                 kv = cfg.kv_cache_dtype if cfg.kv_quant else str(cfg.torch_dtype).removeprefix("torch.")
                 dtype += (f", KV cache {kv}: {engine.runner.num_blocks} blocks of {cfg.block_size} tokens, "
                           f"{2**30 // cfg.kv_bytes_per_block()} blocks/GiB")

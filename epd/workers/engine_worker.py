@@ -207,6 +207,8 @@ class EngineWorker(BaseWorker):
         # what the blocks hold: "int8" / "fp8_e4m3" (quantized rows) or the model's dtype ("auto")
         s["kv_cache_dtype"] = (cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto"
                                else str(cfg.torch_dtype).removeprefix("torch."))
+        # the linear layers' weights: "int8" (--quantization) or "none" (the model's dtype)
+        s["quantization"] = cfg.quantization or "none"
         if self.staging is not None:
             s["num_staging_blocks"] = self.staging.num_blocks
             s["num_free_staging_blocks"] = self.staging.num_free_blocks
