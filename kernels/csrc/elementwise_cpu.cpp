@@ -99,8 +99,9 @@ void dispatch(at::ScalarType t, const char* op, F&& f) {
 
 at::Tensor add_rms_norm_cpu(const at::Tensor& x_in, const c10::optional<at::Tensor>& residual, const at::Tensor& w,
                             double eps) {
-  TORCH_CHECK(x_in.dim() == 2 && w.numel() == x_in.size(1) && w.scalar_type() == x_in.scalar_type(),
-              "add_rms_norm_cpu: x [T, H] and w [H] of x's dtype");
+  TORCH_CHECK(x_in.dim() == 2 && w.dim() == 1 && w.numel() == x_in.size(1) && w.is_contiguous() &&
+                  w.scalar_type() == x_in.scalar_type(),
+              "add_rms_norm_cpu: x [T, H] and a contiguous w [H] of x's dtype");
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty_like(x);
   const bool has_res = residual.has_value() && residual->defined();
@@ -118,9 +119,9 @@ at::Tensor add_rms_norm_cpu(const at::Tensor& x_in, const c10::optional<at::Tens
 
 void rope_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_cpu: x [T, heads, D], rows dense");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.size(1) == x.size(2),
-              "rope_cpu: cos / sin [P, D] float32, contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) == x.size(2),
+              "rope_cpu: cos / sin [P, D] float32, contiguous, of one shape");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0), "rope_cpu: positions [T] int64");
   const at::Tensor pos = positions.contiguous();
   dispatch(x.scalar_type(), "rope_cpu", [&](auto tag) {
@@ -145,8 +146,13 @@ at::Tensor silu_mul_cpu(const at::Tensor& x_in) {
 void store_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                   const at::Tensor& slot_mapping) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kv_cpu: the caches must be contiguous");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
               "store_kv_cpu: k / v must have the cache's dtype");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "store_kv_cpu: k and v [T, Hkv, D] of one shape, k_cache and v_cache of one shape");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.numel() == k.size(0),
+              "store_kv_cpu: slot_mapping must be [T] = [", k.size(0), "]");
   const int64_t T = k.size(0), row = k.size(1) * k.size(2);
   TORCH_CHECK(k_cache.size(2) * k_cache.size(3) == row && k.stride(1) == k.size(2) && k.stride(2) == 1 &&
                   v.stride(1) == v.size(2) && v.stride(2) == 1,

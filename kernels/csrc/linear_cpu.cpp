@@ -275,6 +275,8 @@ at::Tensor linear_cpu(const at::Tensor& x_in, const at::Tensor& packed, int64_t 
     TORCH_CHECK(wt == at::kChar || xt == at::kBFloat16, "linear_cpu: bf16 weights need bfloat16 x, got ", xt);
   }
   at::Tensor s, b;
+  TORCH_CHECK(wt == at::kChar || !(w_scale.has_value() && w_scale->defined()),
+              "linear_cpu: w_scale is for int8 weights only");
   if (wt == at::kChar) {
     TORCH_CHECK(w_scale.has_value() && w_scale->numel() == N && w_scale->scalar_type() == at::kFloat,
                 "linear_cpu: int8 weights need w_scale [N] float32");
