@@ -105,7 +105,8 @@ Run (from the repo root, with the project venv; llamacpp-server and llamacpp nee
     python benchmarks/serving_vs_peers.py --report benchmarks/results/serving_vs_peers.json
 
 Writes ``--out-dir``/serving_vs_peers.json (settings, server commands, every request),
-serving_vs_peers.md (the tables), serving_vs_peers.png and one server log per variant.
+serving_vs_peers.md (the tables), serving_vs_peers.png and one server log per variant
+(llamacpp-server: one per slot count, ``..._npN.log``).
 A run merges into an existing JSON (same file) by system:variant, so systems can be
 measured in separate runs; ``--fresh`` starts a new one.
 """
