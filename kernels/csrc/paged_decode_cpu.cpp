@@ -58,6 +58,57 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
   for (; d < n; ++d) y[d] += p * x[d];
 }
 
+#if defined(__AVX512F__)
+// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 Taylor polynomial of e^r
+// (relative error < 2e-7) scaled by 2^n; x below -87 gives ~0 (as -inf does for std::exp).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts (Cody-Waite)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// s[t] = exp(s[t] - m) for t < n; returns their sum
+inline float exp_shifted(float* s, int64_t n, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), mv));
+    _mm512_mask_storeu_ps(s + t, k, p);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, p));
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+template <typename T>
+inline void prefetch_rows(const T* k, const T* v, int64_t rows, int64_t stride, int64_t row_bytes) {
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t off = 0; off < row_bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k + t * stride) + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + t * stride) + off, _MM_HINT_T0);
+    }
+}
+
 inline void scale_row(float c, float* y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] *= c;
 }
@@ -101,6 +152,13 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t ntok = std::min(block_size, ctx - b * block_size);
         const T* kb = kp + blk * blk_stride + kvh * head_dim;
         const T* vb = vp + blk * blk_stride + kvh * head_dim;
+        if (b + 1 < nblk) {  // the next block's rows: a block is 2 x block_size strided rows, which
+          // the hardware prefetchers do not foresee; without this the loads wait on memory
+          const int64_t nxt = tables[seq * max_blocks + b + 1];
+          if (nxt >= 0 && nxt < num_blocks) prefetch_rows(kp + nxt * blk_stride + kvh * head_dim,
+                                                         vp + nxt * blk_stride + kvh * head_dim,
+                                                         block_size, tok_stride, head_dim * sizeof(T));
+        }
         float bmax[64];  // per group head (group <= 64 checked by the caller)
         for (int64_t g = 0; g < group; ++g) bmax[g] = neg_inf;
         for (int64_t t = 0; t < ntok; ++t) {
@@ -116,11 +174,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           const float corr = std::exp(m[g] - mnew);  // 0 on the first block (m = -inf)
           l[g] *= corr;
           scale_row(corr, acc.data() + g * head_dim, head_dim);
-          for (int64_t t = 0; t < ntok; ++t) {
-            const float p = std::exp(s[g * block_size + t] - mnew);
-            s[g * block_size + t] = p;
-            l[g] += p;
-          }
+          l[g] += exp_shifted(s.data() + g * block_size, ntok, mnew);
           m[g] = mnew;
         }
         for (int64_t t = 0; t < ntok; ++t) {
