@@ -67,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="epd's dtype (auto: bf16 where the CPU computes it natively); transformers runs at the "
                         "same dtype")
+    p.add_argument("--quantization", choices=("int8",), default=None,
+                   help="epd's weight quantization (int8: weight-only, per output channel); transformers stays at "
+                        "--dtype")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="epd without its fused CPU decode step (every step on the eager modules): the reference")
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
     if args.quick:
@@ -138,6 +143,14 @@ def gemm_rate(dtype: torch.dtype, n: int = 1024, reps: int = 20) -> float:
             a @ b
         best = min(best, (time.perf_counter() - t) / reps)
     return 2 * n ** 3 / best / 1e9
+
+
+def _linear_params(model) -> int:
+    """Weights of the decoder's linear layers (packed on the CPU: their N x K)."""
+    from epd.layers.linear import _Linear
+
+    return sum(m.packed.out_features * m.packed.in_features if m.packed is not None else m.weight.numel()
+               for m in model.modules() if isinstance(m, _Linear))
 
 
 def _lm_head_params(llm) -> int:
@@ -309,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     git_state = _git_state()  # before the run: the code that was imported
     model_dir = resolve_model(None)
     t0 = time.perf_counter()
-    llm = LLM(model=None, dtype=args.dtype)  # default engine settings otherwise
+    llm = LLM(model=None, dtype=args.dtype, quantization=args.quantization,
+              enforce_eager=args.enforce_eager)  # default engine settings otherwise
     epd_load_s = time.perf_counter() - t0
     torch.set_num_threads(args.threads)  # in case construction changed it
     settings = engine_settings(llm)
@@ -329,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start_load = wait_for_quiet(args.max_other_load, timeout_s=60.0)
     gemm_gflops = gemm_rate(llm.engine.config.torch_dtype)
-    flops_per_token = 2 * sum(p.numel() for n, p in llm.engine.runner.model.named_parameters()
-                              if p.dim() == 2 and "embed" not in n) + 2 * _lm_head_params(llm)
+    flops_per_token = 2 * _linear_params(llm.engine.runner.model) + 2 * _lm_head_params(llm)
     print(f"GEMM rate at {llm.engine.config.torch_dtype} ({args.threads} threads): {gemm_gflops:.0f} GFLOP/s; "
           f"{flops_per_token / 1e6:.0f} MFLOP of matmuls per token", flush=True)
     if start_load > args.max_other_load:
@@ -360,13 +373,16 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "processor": _cpu_name(), "python": sys.version.split()[0]},
         "git": git_state,
         "epd_engine_settings": settings,
+        "quantization": args.quantization,
+        "enforce_eager": args.enforce_eager,
         "epd_load_s": epd_load_s,
         "other_cores_busy_at_start": start_load,
         "sanity_first_tokens": sanity,
         "results": results,
     }
     short = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(llm.engine.config.torch_dtype, "other")
-    stem = f"engine_throughput_{short}" + ("_quick" if args.quick else "")
+    stem = (f"engine_throughput_{short}" + ("_int8" if args.quantization else "")
+            + ("_eager" if args.enforce_eager else "") + ("_quick" if args.quick else ""))
     json_path = args.out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     png_path = args.out_dir / f"{stem}.png"

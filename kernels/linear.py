@@ -27,10 +27,11 @@ class PackedWeight:
     """A linear layer's weight in the CPU kernel's layout.
 
     data: [ceil(N / 16), ceil(K / 2), 16, 2] bf16 or int8, or [ceil(N / 16), K, 16] fp32,
-    zero-padded; out_features: N; scale: [N] fp32 for int8 (else None)."""
+    zero-padded; out_features: N; in_features: K; scale: [N] fp32 for int8 (else None)."""
 
     data: torch.Tensor
     out_features: int
+    in_features: int
     scale: torch.Tensor | None = None
 
 
@@ -59,7 +60,7 @@ def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> Pack
     ext = load()
     if ext is None:
         return None
-    return PackedWeight(ext.pack_linear_weight(weight), weight.shape[0], scale)
+    return PackedWeight(ext.pack_linear_weight(weight), weight.shape[0], weight.shape[1], scale)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None,
@@ -80,9 +81,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
         RuntimeError: x's dtype or width does not match a packed weight.
     """
     if isinstance(weight, PackedWeight):
-        rows = x.reshape(-1, x.shape[-1])
-        y = load().linear(rows, weight.data, weight.out_features, bias, weight.scale)
-        return y.view(*x.shape[:-1], weight.out_features)
+        return _packed_linear(x, weight, bias)
     if weight_scale is not None:
         weight = dequantize_int8(weight, weight_scale, x.dtype)
     return F.linear(x, weight, bias)
+
+
+@torch.compiler.disable  # an opaque extension call: torch.compile (--compile) runs it between graphs
+def _packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    y = load().linear(x.reshape(-1, x.shape[-1]), weight.data, weight.out_features, bias, weight.scale)
+    return y.view(*x.shape[:-1], weight.out_features)

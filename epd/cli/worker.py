@@ -83,7 +83,8 @@ def add_parser(sub) -> None:
                         "of a Piper voice, NAME.onnx + NAME.onnx.json (needs epd[piper]; see epd.tts.load_synthesizer)")
     w.add_argument("--compile", action="store_true",
                    help="run the model through torch.compile (slower start, faster steps on GPUs)")
-    w.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    w.add_argument("--enforce-eager", action="store_true",
+                   help="every step on the eager modules: no fused CPU decode step, no CUDA graphs")
     w.add_argument("--cuda-graph-sizes", type=int_list, default=None,
                    help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default: 1,2,4 and multiples "
                         "of 8 up to --max-num-seqs; CUDA at TP 1 only)")
