@@ -13,7 +13,7 @@ safetensors under ``~/.cache/epd/models/``; every peer is given those same weigh
   of llama-cpp-python's sdist (CPU, Release, ``-DGGML_NATIVE=ON``), on GGUFs converted from the
   same safetensors with that llama.cpp's ``convert_hf_to_gguf.py`` (``--outtype bf16`` /
   ``q8_0``), built once into ``--gguf-dir``. Every table row shows its tok/s over this one's at
-  the same point and dtype (``vs l-srv``: bf16 rows against its bf16, 8-bit rows, epd's future
+  the same point and dtype (``vs l-srv``: bf16 rows against its bf16, 8-bit rows, epd's
   ``int8`` included, against its q8_0; ``-`` where that variant is not in the results).
 * ``llamacpp``      ``python -m llama_cpp.server`` (llama-cpp-python, from a separate venv, also
   ``install.sh``) on GGUFs converted the same way; its ``q4_1`` variant is the packaged GGUF
@@ -24,8 +24,8 @@ Variants (``VARIANTS``): each system at its own default dtype (epd: ``auto``, bf
 with AVX512_BF16 / AMX, else fp32; transformers: the checkpoint's fp32; llama-server: bf16;
 llama-cpp-python: ``f16``, what its converter picks for fp32 weights) and at bf16 (epd /
 transformers ``--dtype bfloat16``, llama.cpp a bf16 GGUF); epd also at ``--dtype float32``
-(the same dtype as transformers' default) and ``int8`` (``--quantization int8``, the
-counterpart of llama-server's ``q8_0``; skipped as a rejected flag while epd has none),
+(the same dtype as transformers' default) and ``int8`` (``--quantization int8``: weight-only
+int8, one scale per output channel, the counterpart of llama-server's ``q8_0``),
 llama-server also at q8_0, llama-cpp-python also at the packaged Q4_1. An explicit variant
 that resolves to its system's default dtype on this machine is not run twice (skipped with
 a note), nor is one whose server rejects its flag or fails its warm-up. The table's dtype
