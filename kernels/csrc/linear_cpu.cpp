@@ -36,6 +36,9 @@ namespace {
 constexpr int64_t kLanes = 16;  // output columns per packed block
 constexpr int64_t kMR = 4;      // rows of x per micro-kernel call
 constexpr int64_t kNB = 4;      // column blocks per micro-kernel call
+// weights are prefetched this many k pairs ahead in each block's stream (a block's panel is
+// one stream a column block; with 4 blocks a call, the hardware prefetchers lag behind)
+constexpr int64_t kPrefetchPairs = 16;
 
 struct Epilogue {
   const float* scale;      // [N] or null
@@ -102,7 +105,11 @@ void mk_bf16(const at::BFloat16* x, int64_t ldx, int64_t K, const at::BFloat16* 
   const int64_t KP = (K + 1) / 2;
   for (int64_t p = 0; p < KP; ++p) {
     __m512bh w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wp + j * blk_stride + p * 32);
+    for (int j = 0; j < NB; ++j) {
+      if (MR == 1 || true) _mm_prefetch(reinterpret_cast<const char*>(wp + j * blk_stride + (p + kPrefetchPairs) * 32),
+                                        _MM_HINT_T0);
+      w[j] = (__m512bh)_mm512_loadu_si512(wp + j * blk_stride + p * 32);
+    }
     for (int i = 0; i < MR; ++i) {
       const __m512bh xv = (__m512bh)pair_at(x + i * ldx, 2 * p, K);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, w[j]);

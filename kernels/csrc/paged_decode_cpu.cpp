@@ -109,6 +109,110 @@ inline void prefetch_rows(const T* k, const T* v, int64_t rows, int64_t stride, 
     }
 }
 
+#if defined(__AVX512BF16__)
+// lane t of the result = the sum of v[t]'s 16 lanes (a 16 x 16 transpose-and-add: 15 adds and
+// 30 shuffles for 16 sums, where 16 separate horizontal sums take about 8 instructions each)
+inline __m512 reduce16(const __m512* v) {
+  __m512 x[8], z[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u01, u23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// bf16 q . k of a block with vdpbf16ps on the rows as stored (no conversion), 16 tokens at a
+// time: s[g * s_stride + t] = scale * q_g . k_t, bmax[g] = max(bmax[g], those scores).
+template <int HD>
+void scores_bf16(const at::BFloat16* q, const at::BFloat16* kb, int64_t ntok, int64_t tok_stride, int64_t group,
+                 float scale, float* s, int64_t s_stride, float* bmax) {
+  constexpr int V = HD / 32;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g) {
+    __m512bh qv[V];
+    for (int j = 0; j < V; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + g * HD + 32 * j);
+    for (int64_t c0 = 0; c0 < ntok; c0 += 16) {
+      const int64_t n = std::min<int64_t>(16, ntok - c0);
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        acc[t] = _mm512_setzero_ps();
+        if (t < n) {
+          const at::BFloat16* kr = kb + (c0 + t) * tok_stride;
+          for (int j = 0; j < V; ++j) acc[t] = _mm512_dpbf16_ps(acc[t], qv[j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+        }
+      }
+      const __mmask16 m = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      const __m512 r = _mm512_mul_ps(reduce16(acc), sv);
+      _mm512_mask_storeu_ps(s + g * s_stride + c0, m, r);
+      bmax[g] = std::max(bmax[g], _mm512_mask_reduce_max_ps(m, r));
+    }
+  }
+}
+
+// acc[g] += sum_t p[g * p_stride + t] * v_t for a block: each bf16 V row widened once, in registers
+template <int HD>
+void values_bf16(const at::BFloat16* vb, int64_t ntok, int64_t tok_stride, int64_t group, const float* p,
+                 int64_t p_stride, float* acc) {
+  constexpr int V = HD / 16;
+  for (int64_t t = 0; t < ntok; ++t) {
+    const at::BFloat16* vr = vb + t * tok_stride;
+    __m512 v[V];
+    for (int j = 0; j < V; ++j)
+      v[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * j))), 16));
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 pv = _mm512_set1_ps(p[g * p_stride + t]);
+      float* a = acc + g * HD;
+      for (int j = 0; j < V; ++j) _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(pv, v[j], _mm512_loadu_ps(a + 16 * j)));
+    }
+  }
+}
+#endif
+
+template <typename T>
+inline bool block_values(const T* vb, int64_t ntok, int64_t tok_stride, int64_t head_dim, int64_t group,
+                         const float* p, int64_t p_stride, float* acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (head_dim == 64) {
+      values_bf16<64>(vb, ntok, tok_stride, group, p, p_stride, acc);
+      return true;
+    }
+    if (head_dim == 128) {
+      values_bf16<128>(vb, ntok, tok_stride, group, p, p_stride, acc);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
+// The scores of one block for a GQA group (see scores_bf16); false where this build has no
+// fast path for the dtype or head_dim (the caller then computes them row by row).
+template <typename T>
+inline bool block_scores(const T* q, const T* kb, int64_t ntok, int64_t tok_stride, int64_t head_dim, int64_t group,
+                         float scale, float* s, int64_t s_stride, float* bmax) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (head_dim == 64) {
+      scores_bf16<64>(q, kb, ntok, tok_stride, group, scale, s, s_stride, bmax);
+      return true;
+    }
+    if (head_dim == 128) {
+      scores_bf16<128>(q, kb, ntok, tok_stride, group, scale, s, s_stride, bmax);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 inline void scale_row(float c, float* y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] *= c;
 }
@@ -161,12 +265,15 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         }
         float bmax[64];  // per group head (group <= 64 checked by the caller)
         for (int64_t g = 0; g < group; ++g) bmax[g] = neg_inf;
-        for (int64_t t = 0; t < ntok; ++t) {
-          to_f32(kb + t * tok_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float sc = dot(qf.data() + g * head_dim, row.data(), head_dim);
-            s[g * block_size + t] = sc;
-            bmax[g] = std::max(bmax[g], sc);
+        if (!block_scores(qp + (seq * num_heads + kvh * group) * head_dim, kb, ntok, tok_stride, head_dim, group,
+                          fscale, s.data(), block_size, bmax)) {
+          for (int64_t t = 0; t < ntok; ++t) {
+            to_f32(kb + t * tok_stride, row.data(), head_dim);
+            for (int64_t g = 0; g < group; ++g) {
+              const float sc = dot(qf.data() + g * head_dim, row.data(), head_dim);
+              s[g * block_size + t] = sc;
+              bmax[g] = std::max(bmax[g], sc);
+            }
           }
         }
         for (int64_t g = 0; g < group; ++g) {
@@ -177,9 +284,12 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           l[g] += exp_shifted(s.data() + g * block_size, ntok, mnew);
           m[g] = mnew;
         }
-        for (int64_t t = 0; t < ntok; ++t) {
-          to_f32(vb + t * tok_stride, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) axpy(s[g * block_size + t], row.data(), acc.data() + g * head_dim, head_dim);
+        if (!block_values(vb, ntok, tok_stride, head_dim, group, s.data(), block_size, acc.data())) {
+          for (int64_t t = 0; t < ntok; ++t) {
+            to_f32(vb + t * tok_stride, row.data(), head_dim);
+            for (int64_t g = 0; g < group; ++g)
+              axpy(s[g * block_size + t], row.data(), acc.data() + g * head_dim, head_dim);
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {

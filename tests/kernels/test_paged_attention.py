@@ -157,9 +157,9 @@ needs_cpu_kernel = pytest.mark.skipif(load_cpu_kernel() is None, reason="the CPU
 
 @needs_cpu_kernel
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1), (9, 3)])
-@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_decode_cpu_kernel_matches_naive(num_heads, num_kv_heads, block_size, dtype, head_dim):
     """The in-place kernel reads only each sequence's own blocks (NaN elsewhere, garbage
     table entries past the context) and matches float64 attention."""
