@@ -106,8 +106,7 @@ void mk_bf16(const at::BFloat16* x, int64_t ldx, int64_t K, const at::BFloat16* 
   for (int64_t p = 0; p < KP; ++p) {
     __m512bh w[NB];
     for (int j = 0; j < NB; ++j) {
-      if (MR == 1 || true) _mm_prefetch(reinterpret_cast<const char*>(wp + j * blk_stride + (p + kPrefetchPairs) * 32),
-                                        _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + j * blk_stride + (p + kPrefetchPairs) * 32), _MM_HINT_T0);
       w[j] = (__m512bh)_mm512_loadu_si512(wp + j * blk_stride + p * 32);
     }
     for (int i = 0; i < MR; ++i) {
@@ -137,8 +136,10 @@ void mk_i8(const int16_t* x, int64_t ldx, int64_t K, const int8_t* wp, int64_t b
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
     for (int64_t p = p0; p < p1; ++p) {
       __m512i w[NB];
-      for (int j = 0; j < NB; ++j)
+      for (int j = 0; j < NB; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(wp + j * blk_stride + (p + 2 * kPrefetchPairs) * 32), _MM_HINT_T0);
         w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + j * blk_stride + p * 32)));
+      }
       for (int i = 0; i < MR; ++i) {
         int32_t v;
         std::memcpy(&v, x + i * ldx + 2 * p, 4);
