@@ -4,15 +4,17 @@ It holds the paged decode attention kernel (``paged_decode_cpu.cpp``), the linea
 the memory bound for a decode step's few rows (``linear_cpu.cpp``: bf16 with AVX512-BF16,
 fp32, int8 weight-only), the element-wise ops of a decoder layer (``elementwise_cpu.cpp``)
 and the fused decode step that chains them (``decode_layers_cpu.cpp``, ``FusedDecoder``).
-It is compiled once per machine with ``torch.utils.cpp_extension.load`` (g++ and ninja,
-``-march=native``; ``make install`` builds it) into torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``); processes that start
-while it builds wait on the build's lock file. Where it cannot be built, :func:`load`
+It is compiled once per machine and source content with ``torch.utils.cpp_extension.load``
+(g++ and ninja, ``-march=native``; ``make install`` builds it) into torch's extension cache
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), in a directory named
+by a hash of the sources; processes that start while it builds wait on the build's lock
+file. Where it cannot be built, :func:`load`
 returns None once, with a warning, and every caller uses its torch reference.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -22,9 +24,24 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "paged_decode_cpu.cpp", "linear_cpu.cpp", "elementwise_cpu.cpp", "decode_layers_cpu.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LOCK = threading.Lock()
 _EXT = None
 _TRIED = False
+
+
+def _build_directory(sources: list[str], cflags: list[str]) -> Path:
+    """``$TORCH_EXTENSIONS_DIR/epd_cpu_kernels_<hash>``: one build per content of the sources
+    (the header included) and flags, so two checkouts of different code on one machine (a
+    worktree, a fresh clone) never rebuild each other's extension in a shared directory."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    h = hashlib.sha256()
+    for path in sorted([*sources, str(_CSRC / "cpu_kernels.h")]):
+        h.update(Path(path).name.encode() + b"\0" + Path(path).read_bytes())
+    h.update(" ".join(cflags).encode())
+    root = Path(_get_build_directory("epd_cpu_kernels", verbose=False)).parent
+    return root / f"epd_cpu_kernels_{h.hexdigest()[:12]}"
 
 
 def load():
@@ -47,9 +64,11 @@ def load():
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
             from torch.utils.cpp_extension import load as build
 
-            _EXT = build(name="epd_cpu_kernels", sources=[str(_CSRC / s) for s in SOURCES],
-                         extra_include_paths=[str(_CSRC)],
-                         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            sources = [str(_CSRC / s) for s in SOURCES]
+            build_dir = _build_directory(sources, _CFLAGS)
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _EXT = build(name="epd_cpu_kernels", sources=sources, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                         build_directory=str(build_dir), verbose=False)
         except Exception as e:  # no compiler, no ninja, a read-only cache...
             logger.warning("epd's CPU kernels could not be built (%s: %s); the CPU runs the slower torch "
                            "reference ops", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
