@@ -52,10 +52,15 @@ def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return (qweight.float() * scale[:, None]).to(dtype)
 
 
-def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None = None) -> PackedWeight | None:
+def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None = None,
+                x_dtype: torch.dtype | None = None) -> PackedWeight | None:
     """``weight`` [N, K] (fp32, bf16, or int8 with ``scale`` [N]) packed for the CPU
-    kernel, or None where it does not apply (not on the CPU, another dtype, no extension)."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.int8):
+    kernel, or None where it does not apply: not on the CPU, another dtype, activations
+    (``x_dtype``, default the weight's) other than fp32 / bf16 (an fp16 model's int8
+    weights are dequantized per call instead), or no extension."""
+    x_dtype = x_dtype or weight.dtype
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.int8)
+            or x_dtype not in (torch.float32, torch.bfloat16)):
         return None
     ext = load()
     if ext is None:

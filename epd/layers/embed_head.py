@@ -58,11 +58,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self, quantization: str | None) -> None:
         """Quantize (``"int8"``) and, on the CPU, pack the head's copy of the weight."""
         w, scale = self.weight.data, None
+        x_dtype = w.dtype
         if quantization == "int8":
             w, scale = quantize_int8(w)
             scale = scale.to(w.device)
         self.weight_scale = scale
-        self.head_weight = pack_weight(w, scale) or (w if scale is not None else None)
+        self.head_weight = pack_weight(w, scale, x_dtype) or (w if scale is not None else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         weight = self.head_weight if self.head_weight is not None else self.weight

@@ -34,10 +34,11 @@ class _Linear(nn.Module):
         (``quantization="int8"``: per output channel, ``epd.kernels.linear.quantize_int8``),
         then, on the CPU, pack it for the kernel and drop the [out, in] copy."""
         w = self.weight.data
+        x_dtype = w.dtype  # the model's dtype: the activations'
         if quantization == "int8":
             w, self.weight_scale = quantize_int8(w)
             self.weight_scale = self.weight_scale.to(w.device)
-        self.packed = pack_weight(w, self.weight_scale)
+        self.packed = pack_weight(w, self.weight_scale, x_dtype)
         if self.packed is not None:
             w = w.new_empty(0)
         self.weight = nn.Parameter(w, requires_grad=False)

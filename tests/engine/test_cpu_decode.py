@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from epd import LLM, SamplingParams
 from epd.kernels.cpu_extension import load
@@ -130,3 +131,21 @@ def test_fused_bf16_and_int8_close_to_eager_bf16(default_model_dir):
     check_logprobs_close(eager, fused, tol=0.25, min_agree=0.8)  # bf16 logits: a few ulps
     int8, _, _ = _generate(default_model_dir, REAL_PROMPTS, params, quantization="int8", **kw)
     check_logprobs_close(eager, int8, tol=0.5, min_agree=0.5)
+
+
+def test_int8_weights_of_an_fp16_model_are_dequantized_not_packed(tiny_model_dirs):
+    """The CPU kernel multiplies fp32 / bf16 activations only: an fp16 model's int8 weights
+    stay unpacked (dequantized per call), and it generates (it crashed every request)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts((12,))
+    kw = dict(block_size=8, dtype="float16")
+    fp16, _, _ = _generate(tiny_model_dirs["llama"], prompts, params, **kw)
+    llm = LLM(tiny_model_dirs["llama"], quantization="int8", **kw)
+    try:
+        layer = llm.engine.runner.model.model.layers[0]
+        assert layer.mlp.down_proj.packed is None and layer.mlp.down_proj.weight.dtype == torch.int8
+        assert llm.engine.runner.fused is None
+        out = llm.generate(prompts, params)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert len(out.token_ids) == 8 and len(fp16[0].token_ids) == 8
