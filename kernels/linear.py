@@ -56,11 +56,10 @@ def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None = None,
                 x_dtype: torch.dtype | None = None) -> PackedWeight | None:
     """``weight`` [N, K] (fp32, bf16, or int8 with ``scale`` [N]) packed for the CPU
     kernel, or None where it does not apply: not on the CPU, another dtype, activations
-    (``x_dtype``, default the weight's) other than fp32 / bf16 (an fp16 model's int8
+    (``x_dtype``, when given) other than fp32 / bf16 (an fp16 model's int8
     weights are dequantized per call instead), or no extension."""
-    x_dtype = x_dtype or weight.dtype
     if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.int8)
-            or x_dtype not in (torch.float32, torch.bfloat16)):
+            or (x_dtype is not None and x_dtype not in (torch.float32, torch.bfloat16))):
         return None
     ext = load()
     if ext is None:
