@@ -67,6 +67,20 @@ def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None = None,
     return PackedWeight(ext.pack_linear_weight(weight), weight.shape[0], weight.shape[1], scale)
 
 
+def prepare_weight(weight: torch.Tensor, quantization: str | None) -> tuple[torch.Tensor | PackedWeight,
+                                                                          torch.Tensor | None]:
+    """A loaded ``weight`` [N, K] made ready for :func:`linear`: int8 per output channel
+    when ``quantization == "int8"``, then packed for the CPU kernel where that applies
+    (:func:`pack_weight`, for the model's dtype, ``weight.dtype``). Returns ``(weight,
+    scale)``: a :class:`PackedWeight`, or the [N, K] tensor (int8 with its [N] fp32 scale,
+    else ``weight`` itself and None)."""
+    x_dtype, scale = weight.dtype, None
+    if quantization == "int8":
+        weight, scale = quantize_int8(weight)
+        scale = scale.to(weight.device)
+    return pack_weight(weight, scale, x_dtype) or weight, scale
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias).

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.distributed import all_reduce, gather_last_dim, tp_rank, tp_size
-from epd.kernels.linear import PackedWeight, linear, pack_weight, quantize_int8
+from epd.kernels.linear import PackedWeight, linear, prepare_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -57,17 +57,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self, quantization: str | None) -> None:
         """Quantize (``"int8"``) and, on the CPU, pack the head's copy of the weight."""
-        w, scale = self.weight.data, None
-        x_dtype = w.dtype
-        if quantization == "int8":
-            w, scale = quantize_int8(w)
-            scale = scale.to(w.device)
-        self.weight_scale = scale
-        self.head_weight = pack_weight(w, scale, x_dtype) or (w if scale is not None else None)
+        w, self.weight_scale = prepare_weight(self.weight.data, quantization)
+        self.head_weight = w if isinstance(w, PackedWeight) or self.weight_scale is not None else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         weight = self.head_weight if self.head_weight is not None else self.weight
-        logits = linear(hidden, weight, None, None if isinstance(weight, PackedWeight) else self.weight_scale)
+        logits = linear(hidden, weight, None, self.weight_scale)  # (a PackedWeight carries its own scale)
         logits = gather_last_dim(logits)
         if logits is None:
             return None

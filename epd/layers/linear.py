@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from epd.distributed import all_reduce, tp_rank, tp_size
-from epd.kernels.linear import PackedWeight, linear, pack_weight, quantize_int8
+from epd.kernels.linear import PackedWeight, linear, prepare_weight
 
 
 class _Linear(nn.Module):
@@ -33,14 +33,9 @@ class _Linear(nn.Module):
         """Once the checkpoint is loaded (vLLM's name for the step): quantize the weight
         (``quantization="int8"``: per output channel, ``epd.kernels.linear.quantize_int8``),
         then, on the CPU, pack it for the kernel and drop the [out, in] copy."""
-        w = self.weight.data
-        x_dtype = w.dtype  # the model's dtype: the activations'
-        if quantization == "int8":
-            w, self.weight_scale = quantize_int8(w)
-            self.weight_scale = self.weight_scale.to(w.device)
-        self.packed = pack_weight(w, self.weight_scale, x_dtype)
-        if self.packed is not None:
-            w = w.new_empty(0)
+        w, self.weight_scale = prepare_weight(self.weight.data, quantization)
+        if isinstance(w, PackedWeight):
+            self.packed, w = w, w.data.new_empty(0)  # (an empty weight of the packed dtype)
         self.weight = nn.Parameter(w, requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
