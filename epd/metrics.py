@@ -71,6 +71,8 @@ KV_FAILURES = "epd_kv_transfer_failures_total"
 KV_RETRIES = "epd_kv_transfer_retries_total"
 #: NIXL operations posted (one per layer and rank of each transfer), not client requests
 KV_OPS = "epd_kv_transfer_requests_total"
+#: released NIXL transfers not terminated within the bound (their memory stays fenced)
+TRANSFERS_UNTERMINATED = "epd_transfers_unterminated_total"
 TTS_PHRASES = "epd_tts_phrases_total"
 TTS_CHARACTERS = "epd_tts_characters_total"
 TTS_AUDIO_SECONDS = "epd_tts_audio_seconds_total"
@@ -91,6 +93,7 @@ KV_USAGE = "epd_kv_cache_usage_ratio"
 QUEUE_DEPTH = "epd_queue_depth"
 RUNNING = "epd_running_requests"
 QUEUED_PROMPT_TOKENS = "epd_queued_prompt_tokens"
+KV_FENCED_BLOCKS = "epd_kv_fenced_blocks"
 ROUTER_REQUESTS = "epd_router_requests"
 POOL_INSTANCES = "epd_pool_instances"
 
@@ -161,6 +164,8 @@ class Metrics:
         running_requests: requests in the instance's running batch.
         queued_prompt_tokens: prompt tokens still to prefill on the instance (the
             prefill pool's autoscaling signal).
+        kv_fenced_blocks: a decode instance's KV blocks held by aborted reservations
+            whose writer may still write (not done, not gone).
         pool_instances: instances per pool as the router sees them, label ``state``
             (live: routable; draining), labels ``pool`` and ``state`` only; ``epd_pool_instances``.
         router_requests: requests open in the router, with a third label ``state``
@@ -198,6 +203,7 @@ class Metrics:
     kv_transfer_failures: object
     kv_transfer_retries: object
     kv_transfer_requests: object
+    transfers_unterminated: object
     tts_phrases: object
     tts_characters: object
     tts_audio_seconds: object
@@ -219,6 +225,7 @@ class Metrics:
     running_requests: object
     router_requests: object
     queued_prompt_tokens: object
+    kv_fenced_blocks: object
     pool_instances: object
 
 
@@ -256,6 +263,8 @@ _COUNTERS = {
     "kv_transfer_retries": (_family(KV_RETRIES), "KV transfers retried"),
     "kv_transfer_requests": (_family(KV_OPS), "NIXL READ/WRITE operations posted, one per layer (and "
                              "TP rank with per-rank agents) of each KV transfer: not client requests"),
+    "transfers_unterminated": (_family(TRANSFERS_UNTERMINATED), "Requests whose released NIXL transfers were "
+                               "not terminated within --kv-timeout (their memory stays fenced)"),
     "tts_phrases": (_family(TTS_PHRASES), "Phrases spoken by a TTS worker"),
     "tts_characters": (_family(TTS_CHARACTERS), "Characters of the phrases a TTS worker spoke"),
     "tts_audio_seconds": (_family(TTS_AUDIO_SECONDS), "Seconds of audio a TTS worker synthesized"),
@@ -282,6 +291,8 @@ _GAUGES = {
     "running_requests": (RUNNING, "Requests in the running batch", "livemax"),
     "queued_prompt_tokens": (QUEUED_PROMPT_TOKENS, "Prompt tokens waiting to be prefilled (queued or "
                              "partly prefilled requests)", "livemax"),
+    "kv_fenced_blocks": (KV_FENCED_BLOCKS, "KV blocks of aborted reservations whose writer may still write",
+                         "livemax"),
 }
 
 _lock = threading.Lock()

@@ -202,4 +202,5 @@ class NixlKVReceiver(KVReceiver):
         return {r for r, res in self.reserved.items() if res.aborted}
 
     def stats(self) -> dict[str, float]:
-        return {"num_quarantined": sum(1 for r in self.reserved.values() if r.aborted)}
+        fenced = [r for r in self.reserved.values() if r.aborted]
+        return {"num_quarantined": len(fenced), "num_fenced_blocks": sum(len(r.blocks) for r in fenced)}

@@ -16,7 +16,7 @@ from epd.errors import InternalError
 from epd.messages import KVLayout, KVReady, KVWriterDone, KVWriterFenced, PeerInfo, PrefillRequest, encode
 from epd.sequence import Sequence
 from epd.transfer.kv_connector import KVSend, KVSender
-from epd.transfer.nixl_transport import NixlTransport, TransferError
+from epd.transfer.nixl_transport import NixlTransport, Transfer, TransferError
 from epd.transfer.regions import block_regions
 from epd.transfer.staging import StagingPool
 
@@ -52,6 +52,14 @@ class NixlKVSender(KVSender):
         self.runner = runner if layout.kv_agents == "per-rank" else None
         self._free_blocks, self._fenced = free_blocks, fenced
         self.sends: dict[str, KVSend] = {}
+        # dropped sends whose released writes NIXL has not terminated yet: request id ->
+        # (decode instance, generation, their transfers, monotonic time of the drop). Their
+        # KVWriterDone waits for the last to terminate; one that never does keeps the
+        # reservation fenced until this process is gone.
+        self.unterminated: dict[str, tuple[str, int, list[Transfer], float]] = {}
+        self.num_unterminated = 0  # drops whose writes were not terminated within timeout_s
+        self._late: set[str] = set()  # of ``unterminated``, those counted in num_unterminated
+        self._fence_pending: set[str] = set()  # decode peers owed a KVWriterFenced (fence_all)
         # Fault injection for recovery tests: the first N requests' KV writes fail
         # as a dead link would (TransferError), exercising --kv-failure-policy.
         self.inject_failures = int(os.environ.get("EPD_INJECT_KV_FAILURES", "0") or 0)
@@ -209,6 +217,8 @@ class NixlKVSender(KVSender):
 
     def poll(self) -> tuple[list[KVSend], list[tuple[KVSend, str]]]:
         now = time.monotonic()
+        if self.unterminated:
+            self._settle(now)
         done: list[KVSend] = []
         failed: list[tuple[KVSend, str]] = []
         ranked = [rid for rid, send in self.sends.items() if send.seq is not None and send.rank_state > 0
@@ -240,13 +250,14 @@ class NixlKVSender(KVSender):
         return done, failed
 
     def _drop(self, request_id: str) -> KVSend | None:
-        """Forget a send: release its transfers (cancelling any still in flight: none of
-        its writes lands after this), its held blocks and its staging range."""
+        """Forget a send: release its transfers (asking NIXL to cancel those in flight;
+        the ones it cannot cancel are kept in ``unterminated``), its held blocks and its
+        staging range."""
         send = self.sends.pop(request_id, None)
         if send is not None:
-            for t in send.transfers:
-                if t is not None:
-                    t.release()
+            live = [t for t in send.transfers if t is not None and not t.release()]
+            if live:
+                self.unterminated[request_id] = (send.decode_instance, send.dst_generation, live, time.monotonic())
             if send.rank_state > 0:  # every rank's writes still held: cancel them there
                 self.runner.release_kv([request_id])
             if send.seq is not None:
@@ -256,21 +267,49 @@ class NixlKVSender(KVSender):
         return send
 
     def abort(self, request_id: str) -> bool:
+        """Drop a send; tell its decode instance ``KVWriterDone`` once every write of it
+        terminated (now, or in a later ``poll``). False: no such send."""
         send = self._drop(request_id)
         if send is None:
             return False
-        self._notify_never(send.decode_instance, request_id, send.dst_generation)
+        if request_id not in self.unterminated:
+            self._notify_never(send.decode_instance, request_id, send.dst_generation)
         return True
+
+    def _settle(self, now: float) -> None:
+        """Poll the released writes of dropped sends: a send whose writes all terminated
+        sends its ``KVWriterDone``; one still in flight ``timeout_s`` after its drop is
+        counted once (``num_unterminated``) and stays fenced, polled on."""
+        for rid, (decode_instance, generation, transfers, dropped) in list(self.unterminated.items()):
+            if all(t.terminated for t in transfers):
+                del self.unterminated[rid]
+                self._late.discard(rid)
+                self._notify_never(decode_instance, rid, generation)
+            elif now - dropped > self.timeout_s and rid not in self._late:
+                self._late.add(rid)
+                self.num_unterminated += 1
+                logger.error("prefill %s: the KV writes of %s to %s did not terminate %.0f s after their "
+                             "release: its blocks there stay fenced until this process exits", self.instance_id,
+                             rid, decode_instance, self.timeout_s)
+        if self._fence_pending:
+            self._send_fences()
 
     def decline(self, req: PrefillRequest) -> None:
         self._notify_never(req.decode_instance, req.request_id, req.decode_generation)
 
     def fence_all(self) -> None:
         """After the router was lost and every send dropped: tell each decode peer
-        that no earlier instruction of this worker will ever write (``KVWriterFenced``)."""
+        that no earlier instruction of this worker will ever write (``KVWriterFenced``),
+        once the released writes to it have terminated (``poll`` sends the rest)."""
         for name, peer in self.peers.items():
-            if peer.kv_layout is None:  # an encoder: holds no reservations
-                continue
+            if peer.kv_layout is not None:  # (an encoder holds no reservations)
+                self._fence_pending.add(name)
+        self._send_fences()
+
+    def _send_fences(self) -> None:
+        busy = {decode_instance for decode_instance, _, _, _ in self.unterminated.values()}
+        for name in sorted(self._fence_pending - busy):
+            self._fence_pending.discard(name)
             try:
                 self.transport.send_notif(name, encode(KVWriterFenced()))
             except TransferError as e:
@@ -285,4 +324,5 @@ class NixlKVSender(KVSender):
 
     def stats(self) -> dict[str, float]:
         held = sum(1 for s in self.sends.values() if s.seq is not None)
-        return {"num_held": held, "num_sending": held}
+        return {"num_held": held, "num_sending": held, "num_unterminated_sends": len(self.unterminated),
+                "transfers_unterminated": self.num_unterminated}

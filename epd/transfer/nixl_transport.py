@@ -19,12 +19,18 @@ see tests/transfer/test_nixl_transport.py):
   established connection some transfers stay "PROC" until it does (observed after
   notification-carrying transfers). A SIGSTOPped or busy peer can thus leave a transfer
   "PROC" forever; NIXL has no timeout of its own, so every wait here has a deadline
-  after which the handle is released (which cancels it). `progress_thread_us` > 0
+  after which the handle is released. `progress_thread_us` > 0
   starts NIXL's UCX progress thread sleeping that long between sweeps (~2 % of a core
   idle; NIXL's own default of 0 spins half a core) for a worker whose main loop cannot
   poll every millisecond or so (a decode worker mid-step, an encoder mid-batch).
 - On CPU UCX moves data with cma (process_vm_writev/readv) inside `transfer()`: the
   initiator's thread does the copy before the call returns, usually "DONE".
+- Releasing an unfinished transfer only *starts* its abort (nixl's `nixl_xfer_handle` /
+  `release_xfer_handle` docstrings): when NIXL cannot cancel it, release raises, the handle
+  stays, and posted writes or reads can still land. So a released transfer is
+  *terminated* only once NIXL reports a terminal state (DONE / ERR, or its peer is gone)
+  and the handle is freed: ``Transfer.release`` says whether it is, ``Transfer.terminated``
+  polls one that is not, and only then is the memory it touches free to reuse.
 - A killed peer: `transfer()` / `check_xfer_state()` raise `nixlRemoteDisconnectError`
   within a millisecond. After a request to a dead peer fails, the agent must be
   driven once (`get_new_notifs`) before it is destroyed, or UCX aborts the process at
@@ -46,7 +52,9 @@ Not thread-safe: one thread per transport (the optional progress thread is NIXL'
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import time
 import weakref
@@ -120,9 +128,14 @@ class _Peer:
 
 
 class Transfer:
-    """One posted READ or WRITE. Poll it, wait on it with a deadline, or release it."""
+    """One posted READ or WRITE. Poll it, wait on it with a deadline, or release it.
 
-    __slots__ = ("op", "peer", "nbytes", "num_descs", "_transport", "_handle", "_done", "__weakref__")
+    ``released``: the caller gave it up (or it completed); ``terminated``: no byte of it
+    can move any more (done, failed, or cancelled and its handle freed). A released
+    transfer that NIXL could not cancel stays in flight until ``terminated``."""
+
+    __slots__ = ("op", "peer", "nbytes", "num_descs", "_transport", "_handle", "_done", "_released", "_held",
+                 "__weakref__")
 
     def __init__(self, transport: NixlTransport, handle: Any, op: str, peer: str, nbytes: int, num_descs: int):
         self._transport = transport
@@ -132,9 +145,11 @@ class Transfer:
         self.nbytes = nbytes
         self.num_descs = num_descs  # descriptors after coalescing
         self._done = False
+        self._released = False
+        self._held = False  # the hold seam (NixlTransport.hold): not yet handed to NIXL
 
     def __repr__(self) -> str:
-        state = "done" if self._done else ("released" if self._handle is None else "in progress")
+        state = ("done" if self._done else "released" if self.released else "in progress")
         return f"Transfer({self.op} {self.peer}, {self.nbytes} B, {self.num_descs} descs, {state})"
 
     @property
@@ -143,7 +158,17 @@ class Transfer:
 
     @property
     def released(self) -> bool:
-        """True once the NIXL handle is gone (after completion, failure, timeout or release())."""
+        """True once the caller gave it up or it ended (completion, failure, timeout, release())."""
+        return self._released or self._handle is None
+
+    @property
+    def terminated(self) -> bool:
+        """True when no byte of it can move any more: polls (and frees) a released transfer
+        NIXL could not cancel yet."""
+        if self._handle is None:
+            return True
+        if self._released:
+            self._settle()
         return self._handle is None
 
     def _what(self) -> str:
@@ -158,54 +183,97 @@ class Transfer:
         """True when done; raises TransferError if the transfer failed or was released."""
         if self._done:
             return True
-        if self._handle is None:
+        if self.released:
             raise TransferError(f"{self._what()}: released before completion")
         agent = self._transport._agent
         if agent is None:
             self.release()
             raise TransferError(f"{self._what()}: transport closed")
+        self._transport._post_held()
+        if self._held:
+            return False
         try:
             state = agent.check_xfer_state(self._handle)
         except Exception as e:
-            self.release()
+            self._free()  # the peer is gone or NIXL gave up on it: terminal
             raise TransferError(f"{self._what()} failed: {type(e).__name__}: {e}") from e
         if state == "DONE":
             self._complete()
             return True
         if state == "PROC":
             return False
-        self.release()
+        self._free()
         raise TransferError(f"{self._what()} failed: NIXL state {state}")
 
     def wait(self, timeout_s: float) -> None:
-        """Poll until done; past the deadline release the handle and raise TransferTimeout."""
+        """Poll until done; past the deadline release it (see ``release``) and raise TransferTimeout."""
         deadline = time.monotonic() + timeout_s
         delay = 50e-6
         while not self.poll():
             now = time.monotonic()
             if now >= deadline:
-                self.release()
-                raise TransferTimeout(f"{self._what()} not done after {timeout_s:g} s; handle released")
+                ended = self.release()
+                raise TransferTimeout(f"{self._what()} not done after {timeout_s:g} s; "
+                                      f"{'cancelled' if ended else 'cancel requested, still in flight'}")
             time.sleep(min(delay, deadline - now))
             delay = min(delay * 2, 1e-3)
 
-    def release(self) -> None:
-        """Free the NIXL handle (cancels an unfinished transfer). Idempotent."""
-        handle, self._handle = self._handle, None
-        if handle is None:
-            return
-        self._transport._live.discard(self)
+    def release(self) -> bool:
+        """Give the transfer up: free its NIXL handle, which asks NIXL to cancel it if it
+        is unfinished. Returns True when it is terminated (its memory may be reused), False
+        when NIXL could not cancel it: it may still move data, the handle is kept, and
+        ``terminated`` turns True once NIXL reports a terminal state. Idempotent."""
+        if self._handle is None:
+            return True
+        if not self._released:
+            self._released = True
+            self._transport._live.discard(self)
+        if self._settle():
+            return True
+        self._transport._cancelling.add(self)
+        return False
+
+    def _settle(self) -> bool:
+        """Try to free the handle of a released transfer; True once it is freed."""
+        if self._held:
+            self._transport._post_held()  # NIXL would have posted it: it still lands
+            if self._held:
+                return False
         try:
-            handle.release()
-        except Exception as e:  # NIXL could not cancel it yet: retry later
+            self._handle.release()
+        except Exception as e:  # NIXL could not cancel it (yet): still in flight
             logger.debug("release of %s deferred: %s", self._what(), e)
-            self._transport._zombies.append(handle)
+            return False
+        self._handle = None
+        self._transport._cancelling.discard(self)
+        return True
+
+    def _free(self) -> None:
+        """Free the handle of a transfer NIXL reported terminal (ERR, or its peer failed)."""
+        self._released = True
+        self._transport._live.discard(self)
+        handle, self._handle = self._handle, None
+        self._transport._cancelling.discard(self)
+        if handle is not None:
+            try:
+                handle.release()
+            except Exception as e:
+                logger.debug("release of failed %s: %s", self._what(), e)
 
 
 class NixlTransport:
     """One NIXL agent per worker process (UCX backend; callers poll unless
     `progress_thread_us` > 0 starts NIXL's progress thread with that sleep). It registers
-    host and CUDA tensors alike (DRAM / VRAM, see the module docstring)."""
+    host and CUDA tensors alike (DRAM / VRAM, see the module docstring).
+
+    The hold seam, for tests of transfers in flight (CPU transports complete inside the
+    post): while ``hold`` is True, or the file named by ``$EPD_INJECT_HOLD_TRANSFERS``
+    exists, new transfers stay in flight ("PROC") without reaching NIXL, and releasing
+    one cannot cancel it; once the hold ends they are handed to NIXL in posting order
+    and land, as the worst case of NIXL's own semantics. Each held transfer appends a
+    line to ``$EPD_INJECT_HOLD_TRANSFERS.held`` (so a test knows it is in flight). A
+    ``{agent}`` in the path is replaced by the agent's name (a worker's instance id).
+    """
 
     def __init__(self, name: str, *, progress_thread_us: int = 0):
         self.name = _check_name(name, "agent name")
@@ -217,7 +285,10 @@ class NixlTransport:
         self._peers: dict[str, _Peer] = {}
         self._notifs: dict[str, list[bytes]] = {}
         self._live: weakref.WeakSet[Transfer] = weakref.WeakSet()
-        self._zombies: list[Any] = []
+        self._cancelling: set[Transfer] = set()  # released, not yet terminated (kept alive to be polled)
+        self.hold = False
+        self._hold_path = os.environ.get("EPD_INJECT_HOLD_TRANSFERS", "").replace("{agent}", name)
+        self._held: list[Transfer] = []
         self._metadata_taken = False
         self._agent: Any = None
         try:
@@ -363,9 +434,10 @@ class NixlTransport:
         """Forget a peer: release its transfers, disconnect. Unknown peers are ignored."""
         if self._agent is None or peer not in self._peers:
             return
-        for t in list(self._live):
+        for t in [*self._live, *self._cancelling]:
             if t.peer == peer:
-                t.release()
+                t._free()  # the peer is gone (or replaced): nothing of it lands any more
+        self._held = [t for t in self._held if t.peer != peer]
         self._progress_quietly()  # see module docstring: UCX must see the error first
         try:
             self._agent.remove_remote_agent(peer)
@@ -424,6 +496,14 @@ class NixlTransport:
                                 f"{type(e).__name__}: {e}") from e
         t = Transfer(self, handle, op, peer, nbytes, len(ldesc))
         self.num_requests += 1
+        if self._holding():
+            t._held = True
+            self._held.append(t)
+            self._live.add(t)
+            with open(self._hold_path + ".held", "a") if self._hold_path else contextlib.nullcontext() as f:
+                if f is not None:
+                    f.write(f"{t._what()}\n")
+            return t
         try:
             state = agent.transfer(handle)
         except Exception as e:
@@ -438,6 +518,34 @@ class NixlTransport:
             raise TransferError(f"{t._what()} failed to post: NIXL state {state}")
         return t
 
+    def _holding(self) -> bool:
+        return self.hold or bool(self._hold_path and os.path.exists(self._hold_path))
+
+    def _post_held(self) -> None:
+        """The hold seam: once the hold ends, hand the held transfers to NIXL in order."""
+        if not self._held or self._holding():
+            return
+        held, self._held = self._held, []
+        for t in held:
+            t._held = False
+            try:
+                state = self._agent.transfer(t._handle)
+            except Exception as e:
+                logger.warning("%s: held %s failed to post: %s", self.name, t._what(), e)
+                t._free()
+                continue
+            if state == "DONE" and not t._released:
+                t._complete()
+            elif state not in ("DONE", "PROC"):
+                t._free()
+            elif t._released:
+                t._settle()
+
+    @property
+    def num_cancelling(self) -> int:
+        """Released transfers NIXL has not terminated yet (they may still move data)."""
+        return len(self._cancelling)
+
     # -- notifications ------------------------------------------------------------------
 
     def _progress(self) -> None:
@@ -445,14 +553,9 @@ class NixlTransport:
         for src, msgs in new.items():
             key = src.decode("utf-8", "replace") if isinstance(src, bytes) else str(src)
             self._notifs.setdefault(key, []).extend(bytes(m) for m in msgs)
-        if self._zombies:
-            still = []
-            for h in self._zombies:
-                try:
-                    h.release()
-                except Exception:
-                    still.append(h)
-            self._zombies = still
+        self._post_held()
+        for t in list(self._cancelling):
+            t._settle()
 
     def _progress_quietly(self) -> None:
         try:
@@ -489,8 +592,9 @@ class NixlTransport:
         agent = self._agent
         if agent is None:
             return
-        for t in list(self._live):
-            t.release()
+        self._held.clear()
+        for t in [*self._live, *self._cancelling]:
+            t._free()
         self._progress_quietly()
         for peer in list(self._peers):
             try:
@@ -507,6 +611,6 @@ class NixlTransport:
         self._regs.clear()
         self._tensors.clear()
         self._local = None
-        self._zombies.clear()
+        self._cancelling.clear()
         self._notifs.clear()
         self._agent = None

@@ -430,3 +430,27 @@ def test_bandwidth_report(peer_a, side_b):
             assert t.num_descs == 1 if len(loc) == 1 else t.num_descs > 4000  # random runs may merge
             lines.append(f"{op:5s} {label:24s}: {_rate(total, times[1:])} (validate+post {min(post) * 1e3:.2f} ms)")
     print("\nNIXL CPU bandwidth (UCX, 2 processes):\n  " + "\n  ".join(lines))
+
+
+def test_released_write_that_nixl_cannot_cancel_is_not_terminated(peer_a, side_b):
+    """Releasing an unfinished transfer only starts its abort: a write held in flight
+    (the hold seam) is released, yet it is not terminated and still lands once the hold
+    ends; only then does ``terminated`` turn True. Memory it writes is not free before."""
+    b, _, regions = side_b
+    assert peer_a.call("zero", "kv")
+    b.hold = True
+    try:
+        t = b.write("a", kv_blocks(regions["src"], [5]), kv_blocks(peer_a.info["regions"]["kv"], [12]))
+        assert not t.poll()
+        assert t.release() is False
+        assert t.released and not t.terminated and b.num_cancelling == 1
+        time.sleep(0.1)
+        assert peer_a.call("is_zero", "kv")  # nothing moved yet
+    finally:
+        b.hold = False
+    deadline = time.monotonic() + 10
+    while not t.terminated:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert b.num_cancelling == 0
+    assert peer_a.call("check_blocks", "kv", [(12, 5)], 1)  # the released write landed
