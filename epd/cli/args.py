@@ -94,6 +94,9 @@ def add_recovery_args(fr, d: LaunchConfig, launcher: bool = True) -> None:
         return
     fr.add_argument("--kv-timeout", type=float, default=d.kv_timeout,
                     help="seconds a worker waits for one NIXL transfer before failing it (default: the worker's, 30)")
+    fr.add_argument("--embedding-ttl", type=float, default=d.embedding_ttl,
+                    help="seconds an encode worker keeps a request's embeddings after the router ended the request, "
+                         "before reclaiming them (default: the worker's, 1)")
     fr.add_argument("--max-worker-restarts", type=int, default=d.max_worker_restarts,
                     help="times the launcher restarts each crashed worker instance (default: %(default)s; "
                          "0: never)")

@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
                         "workers that have work, see epd.workers.thread_budget)")
     w.add_argument("--kv-timeout", type=float, default=30.0,
                    help="seconds one NIXL transfer (KV, embeddings) may take before it fails (default: %(default)s)")
+    w.add_argument("--embedding-ttl", type=float, default=1.0,
+                   help="seconds an encode worker keeps a request's embeddings after the router ended the request "
+                        "(its reader released them or is gone) before reclaiming them; never while the request "
+                        "runs (default: %(default)s)")
     w.add_argument("--block-size", type=positive_int, default=16)
     w.add_argument("--max-num-seqs", type=positive_int, default=64)
     w.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
@@ -129,7 +133,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 0
     return run_worker(WorkerArgs(role=role, instance_id=args.instance_id, router=args.router, model=args.model,
                                  rank=args.rank, tp=args.tp, threads=args.threads, host=args.advertise_host,
-                                 kv_timeout_s=args.kv_timeout, kv_staging_mb=args.kv_staging_mb, keys=keys,
+                                 kv_timeout_s=args.kv_timeout, embedding_ttl_s=args.embedding_ttl,
+                                 kv_staging_mb=args.kv_staging_mb, keys=keys,
                                  kv_agents=args.kv_agents,
                                  http_port=args.http_port, drain_timeout_s=args.drain_timeout,
                                  engine_kwargs=(engine_kwargs if role not in (Role.ENCODE, Role.TTS) else

@@ -129,6 +129,7 @@ class LaunchConfig:
     stage_timeout: float = 120.0
     token_timeout: float = 120.0
     kv_timeout: float | None = None  # None: the worker's default
+    embedding_ttl: float | None = None  # None: the worker's default
     max_worker_restarts: int = 5
     # OpenAI API
     api_key: str | None = None  # None: $EPD_API_KEY, else none
@@ -206,7 +207,7 @@ class LaunchConfig:
 
     def forwarded_worker_args(self) -> list[str]:
         """``epd worker`` flags for the worker settings given: the engine flags of
-        :data:`WORKER_ENGINE_FLAGS` and ``--kv-timeout``."""
+        :data:`WORKER_ENGINE_FLAGS`, ``--kv-timeout`` and ``--embedding-ttl``."""
         out = []
         for flag, typ in WORKER_ENGINE_FLAGS:
             value = getattr(self, flag[2:].replace("-", "_"))
@@ -218,4 +219,6 @@ class LaunchConfig:
                 out += [flag, str(value)]
         if self.kv_timeout is not None:
             out += ["--kv-timeout", str(self.kv_timeout)]
+        if self.embedding_ttl is not None:
+            out += ["--embedding-ttl", str(self.embedding_ttl)]
         return out

@@ -123,6 +123,9 @@ class EmbeddingRef(msgspec.Struct, frozen=True):
     ``temporal_range``: the video chunk these rows are (``EncodeRequest.temporal_ranges``);
     None: the whole item. The chunks of one item follow each other in temporal order,
     the first starting at 0, and are concatenated into the item's placeholder.
+    ``generation``: the span's random nonzero id, also written as an int64 word in the
+    encoder's buffer after the data (``epd.workers.embedding_buffer``); the reader reads
+    the word back after the data and uses the data only if it still holds this id.
     """
 
     item_hash: str
@@ -131,6 +134,7 @@ class EmbeddingRef(msgspec.Struct, frozen=True):
     dtype: str
     instance_id: str = ""
     temporal_range: TemporalRange | None = None
+    generation: int = 0
 
 
 class EncodeDone(msgspec.Struct, tag="encode_done", frozen=True):

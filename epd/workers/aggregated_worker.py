@@ -20,17 +20,19 @@ class AggregatedWorker(EngineWorker):
         if not isinstance(msg, GenerateRequest):
             return super().handle_role(msg)
         try:
-            embeddings = self.fetch_embeddings(msg.request_id, msg.encode_instance, list(msg.embeddings),
-                                              list(msg.placeholders))
-            kw = {}
-            if msg.placeholders:
-                kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}
-            self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params, **kw)
+            self.fetch_then_admit(msg, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
         except Exception as e:  # every failure is reported, saying who failed
             self.fail(msg.request_id, e)
+
+    def admit(self, msg: GenerateRequest, embeddings: list) -> None:
+        kw = {}
+        if msg.placeholders:
+            kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}
+        self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), msg.params, **kw)
 
     def step(self) -> None:
         self.stream_step()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
+        self.fetcher.abort(request_id)

@@ -87,6 +87,7 @@ class WorkerArgs:
     host: str = "127.0.0.1"
     engine_kwargs: dict = field(default_factory=dict)
     kv_timeout_s: float = 30.0
+    embedding_ttl_s: float = 1.0  # an encoder reclaims embeddings this long after the router ended their request
     embedding_buffer_mb: int = 256
     kv_staging_mb: int = 0  # staging pool for heterogeneous-TP KV transfers (0: none)
     kv_agents: str = "rank0"  # "rank0" | "per-rank": NIXL agents of a TP instance (epd.transfer.rank_agent)

@@ -18,14 +18,15 @@ from epd.workers.embedding_buffer import EmbeddingBuffer
 
 logger = logging.getLogger(__name__)
 
-# Embeddings nobody read within this time are dropped (the reader died).
-EMBEDDING_TTL_S = 120.0
-
 
 class EncodeWorker(BaseWorker):
     """EncodeRequest -> embeddings copied into the registered buffer -> EncodeDone
-    with their regions (or transcripts, for text-only LMs). The prefill worker
-    reads them and notifies ``ReleaseEmbeddings``; Abort and a TTL free them too.
+    with their regions and generations (or transcripts, for text-only LMs). A span is
+    freed only by its reader's ``ReleaseEmbeddings`` (a NIXL notification after the
+    read), or ``embedding_ttl_s`` after the router ended its request (``Abort``: the
+    reader is done or gone; a lost router ends them all): never while a reader may
+    still come for it. Freeing zeroes the span's generation word, so a reader that
+    comes late reads a mismatch and never uses what is there.
     An item with a temporal range is a chunk of a long video split across encoders
     (``epd.router.encode_split``): only its temporal patches are encoded."""
 
@@ -68,11 +69,11 @@ class EncodeWorker(BaseWorker):
             for it, emb, rng in zip(items, embs, ranges):
                 emb = emb.contiguous()
                 raw = emb.view(-1).view(torch.uint8)
-                off = self.buffer.alloc(rid, raw.numel())
+                off, generation = self.buffer.alloc_span(rid, raw.numel())
                 self.buffer.view(off, raw.numel()).copy_(raw)
                 refs.append(EmbeddingRef(it.item_hash, self.buffer.region(off, raw.numel()), list(emb.shape),
                                          str(emb.dtype).removeprefix("torch."), self.instance_id,
-                                         None if rng is None else tuple(rng)))
+                                         None if rng is None else tuple(rng), generation))
             self.num_encoded += len(items)
             self.num_video_chunks += sum(r is not None for r in ranges)
         except Exception as e:  # every failure is reported, saying who failed
@@ -91,12 +92,14 @@ class EncodeWorker(BaseWorker):
                     continue
                 if isinstance(msg, ReleaseEmbeddings):
                     self.buffer.free(msg.request_id)
-        for owner in self.buffer.expire(EMBEDDING_TTL_S):
-            logger.warning("encode %s: embeddings of %s expired unread", self.instance_id, owner)
+        for owner in self.buffer.expire(self.args.embedding_ttl_s):
+            logger.info("encode %s: embeddings of ended request %s reclaimed", self.instance_id, owner)
 
     def abort(self, request_id: str) -> None:
+        """The router ended the request: drop it from the queue; its embeddings are
+        reclaimed ``embedding_ttl_s`` later (unless its reader releases them first)."""
         self.queue = deque(q for q in self.queue if q[0].request_id != request_id)
-        self.buffer.free(request_id)
+        self.buffer.end(request_id)
 
     def in_flight(self) -> set[str]:
         return set(self.buffer.owners()) | {q[0].request_id for q in self.queue}

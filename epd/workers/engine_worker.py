@@ -13,12 +13,9 @@ from epd.messages import (
     EmbeddingRef,
     Heartbeat,
     KVEvents,
-    ReleaseEmbeddings,
     RequestFailed,
     TokenLogprob,
     TokenOutput,
-    encode,
-    typed_view,
 )
 from epd.models.checkpoints import resolve_model
 from epd.multimodal import Placeholder
@@ -28,12 +25,13 @@ from epd.transfer.kv_runner import NixlKVRunner, NixlKVRunnerFactory
 from epd.transfer.regions import layer_regions
 from epd.workers.base import BaseWorker, WorkerArgs
 from epd.workers.embedding_buffer import EmbeddingBuffer
-from epd.workers.embedding_chunks import join_chunks
+from epd.workers.embedding_fetch import EmbeddingFetcher
 
 
 class EngineWorker(BaseWorker):
     """Builds the LLM engine, registers its KV cache (and a receive buffer for
-    embeddings) with NIXL, and fetches embeddings from encode workers."""
+    embeddings) with NIXL, and fetches embeddings from encode workers without blocking
+    its loop (``fetch_then_admit``; subclasses ``admit``)."""
 
     def __init__(self, args: WorkerArgs) -> None:
         super().__init__(args)
@@ -56,6 +54,7 @@ class EngineWorker(BaseWorker):
         if self.staging is not None:
             tensors.append(self.staging.buffer)  # rank0: every rank's part; per-rank: rank 0's own
         regions = self.transport.register(tensors)
+        self.fetcher = EmbeddingFetcher(self.transport, self.recv_buffer, self.peers, args.kv_timeout_s)
         ranks = None
         if self.per_rank:
             from epd.messages import RankKV
@@ -106,6 +105,13 @@ class EngineWorker(BaseWorker):
         self.count_total("kv_transfer_requests", self.kv_requests())
         return super().load()
 
+    def update_metrics(self, stats: dict[str, float]) -> None:
+        super().update_metrics(stats)
+        self.count_total("transfers_unterminated", stats.get("transfers_unterminated", 0)
+                         + stats.get("embedding_reads_unterminated", 0))
+        if "num_fenced_blocks" in stats:
+            self.metrics.kv_fenced_blocks.labels(**self.labels).set(stats["num_fenced_blocks"])
+
     def kv_requests(self) -> int:
         """NIXL requests this instance posted: rank 0's agent, plus its other ranks' (per-rank agents)."""
         return self.transport.num_requests + self.kv_runner.rank_requests
@@ -125,57 +131,42 @@ class EngineWorker(BaseWorker):
             self.transport.add_peer(p.nixl_metadata, p.regions, p.agent)  # (re)loaded under its name
         self.kv_runner.add_rank_peers(RankPeers(peers))
 
-    def fetch_embeddings(self, request_id: str, encode_instance: str | None, refs: list[EmbeddingRef],
-                         placeholders: list[Placeholder] | None = None) -> list[torch.Tensor]:
-        """Read the referenced embeddings over NIXL, one read request per encode instance
-        (a ref's ``instance_id``, else ``encode_instance``), each telling its instance to
-        release them once done; all reads are posted before the first wait. Returns one
-        ``[rows, hidden]`` tensor per item: the chunks of a video split across encoders
-        concatenated in temporal order, checked against ``placeholders`` when given
-        (``epd.workers.embedding_chunks.join_chunks``).
-
-        Raises:
-            TransferError / TransferTimeout: a read failed or passed its deadline (the
-                other reads are waited for or cancelled before the buffer is freed).
-            KeyError: an unknown encode instance (nothing is read).
-            MessageError: a ref's dtype / shape does not match its bytes.
-            EmbeddingChunkError: the items do not fit ``placeholders``.
-        """
+    def fetch_then_admit(self, msg, encode_instance: str | None, refs: list[EmbeddingRef],
+                         placeholders: list[Placeholder]) -> None:
+        """Admit ``msg`` (``admit``) now when it has no embeddings, else once ``refs`` were
+        read (``epd.workers.embedding_fetch``, polled each loop turn: the loop never waits
+        on a read). Raises what ``EmbeddingFetcher.start`` raises (nothing is held then)."""
         if not refs:
-            return []
-        by_instance: dict[str, list[int]] = {}
-        for k, ref in enumerate(refs):
-            by_instance.setdefault(ref.instance_id or encode_instance, []).append(k)
-        peers = {inst: self.peers[inst] for inst in by_instance}  # KeyError before anything is posted
-        offsets = [0] * len(refs)
-        xfers = []
-        try:
-            for inst, ks in by_instance.items():
-                local = []
-                for k in ks:
-                    offsets[k] = self.recv_buffer.alloc(request_id, refs[k].region[1])
-                    local.append(self.recv_buffer.region(offsets[k], refs[k].region[1]))
-                xfers.append(self.transport.read(peers[inst].instance_id, local, [refs[k].region for k in ks],
-                                                 notif=encode(ReleaseEmbeddings(request_id))))
-            t0 = time.monotonic()
-            deadline = t0 + self.args.kv_timeout_s
-            for xfer in xfers:
-                xfer.wait(max(0.0, deadline - time.monotonic()))
-            self.observe("embedding_transfer", time.monotonic() - t0)
-            out = []
-            for ref, off in zip(refs, offsets):  # checked as any tensor off the wire, copied out on its device
-                out.append(typed_view(self.recv_buffer.view(off, ref.region[1]), ref.dtype, list(ref.shape)).clone())
-            return join_chunks(refs, out, placeholders or None)
-        finally:
-            for xfer in xfers:  # a failed wait left the others running: cancel before the buffer is reused
-                xfer.release()
-            self.recv_buffer.free(request_id)
+            self.admit(msg, [])
+            return
+        self.fetcher.start(msg.request_id, encode_instance, refs, placeholders, msg)
+
+    def poll(self) -> None:
+        """Admit the requests whose embeddings arrived; fail those whose fetch failed."""
+        done, failed = self.fetcher.poll()
+        for msg, embeddings, seconds in done:
+            self.observe("embedding_transfer", seconds)
+            try:
+                self.admit(msg, embeddings)
+            except Exception as e:  # every failure is reported, saying who failed
+                failed.append((msg, e))
+        for msg, e in failed:
+            self.admit_failed(msg, e)
+
+    def admit(self, msg, embeddings: list[torch.Tensor]) -> None:
+        """Start ``msg`` on the engine with its items' embeddings (``[rows, hidden]`` each)."""
+        raise NotImplementedError
+
+    def admit_failed(self, msg, exc: BaseException) -> None:
+        """``msg`` cannot start (its embeddings failed, or the engine refused it)."""
+        self.fail(msg.request_id, exc)
 
     def has_work(self) -> bool:
         return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
 
     def in_flight(self) -> set[str]:
-        return set(self.engine.requests) | set(self.engine.scheduler.waiting_for_remote_kv)
+        return (set(self.engine.requests) | set(self.engine.scheduler.waiting_for_remote_kv)
+                | self.fetcher.in_flight())
 
     def stream_step(self) -> list:
         """One engine step; each request's new token goes to the router. Returns the step's outputs."""
@@ -199,7 +190,7 @@ class EngineWorker(BaseWorker):
         return outs
 
     def stats(self) -> dict[str, float]:
-        s = self.engine.stats()
+        s = {**self.engine.stats(), **self.fetcher.stats()}
         s["kv_transfer_requests"] = self.kv_requests()
         cfg = self.engine.config
         s["kv_block_bytes"] = cfg.kv_bytes_per_block()  # all layers, K and V, this rank

@@ -52,26 +52,29 @@ class PrefillWorker(EngineWorker):
     def handle_role(self, msg: Message, arrival: float | None = None) -> None:
         if not isinstance(msg, PrefillRequest):
             return super().handle_role(msg)
-        rid = msg.request_id
         arrival = arrival or time.monotonic()
         try:
             if not self.kv.add(msg, arrival):
                 self.waiting_staging.append((msg, arrival))
                 return
-            embeddings = self.fetch_embeddings(rid, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
-            # The first token only; decode continues. The copy keeps num_prior_output_tokens: a
-            # migrated request's penalties and seeded generator see its earlier output here too.
-            params = msgspec.structs.replace(msg.params, max_tokens=1, ignore_eos=True, stop_token_ids=[])
-            kw = {}
-            if msg.placeholders:
-                kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}
-            self.engine.add_request(rid, list(msg.prompt_token_ids), params, **kw)
+            self.fetch_then_admit(msg, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
         except Exception as e:  # every failure is reported, saying who failed
-            if not self.kv.abort(rid):  # not taken: still tell the decode side nothing will come
-                self.kv.decline(msg)
-            self.fail(rid, e)
-            return
-        self.prompts[rid] = _Prompt()
+            self.admit_failed(msg, e)
+
+    def admit(self, msg: PrefillRequest, embeddings: list) -> None:
+        # The first token only; decode continues. The copy keeps num_prior_output_tokens: a
+        # migrated request's penalties and seeded generator see its earlier output here too.
+        params = msgspec.structs.replace(msg.params, max_tokens=1, ignore_eos=True, stop_token_ids=[])
+        kw = {}
+        if msg.placeholders:
+            kw = {"mm_placeholders": list(msg.placeholders), "mm_embeddings": embeddings}
+        self.engine.add_request(msg.request_id, list(msg.prompt_token_ids), params, **kw)
+        self.prompts[msg.request_id] = _Prompt()
+
+    def admit_failed(self, msg: PrefillRequest, exc: BaseException) -> None:
+        if not self.kv.abort(msg.request_id):  # not taken: still tell the decode side nothing will come
+            self.kv.decline(msg)
+        self.fail(msg.request_id, exc)
 
     def step(self) -> None:
         t0 = time.monotonic()
@@ -88,6 +91,7 @@ class PrefillWorker(EngineWorker):
         self._finish_sends()
 
     def poll(self) -> None:
+        super().poll()
         while self.waiting_staging and self.kv.has_room(self.waiting_staging[0][0]):
             msg, arrival = self.waiting_staging.popleft()
             self.handle_role(msg, arrival)
@@ -119,6 +123,7 @@ class PrefillWorker(EngineWorker):
     def abort(self, request_id: str) -> None:
         # Between steps: no write of this request is in flight once its transfers are released.
         self.engine.abort_request(request_id)
+        self.fetcher.abort(request_id)
         self.prompts.pop(request_id, None)
         if not self.kv.abort(request_id):
             for msg, _ in [w for w in self.waiting_staging if w[0].request_id == request_id]:
