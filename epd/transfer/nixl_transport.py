@@ -25,12 +25,11 @@ see tests/transfer/test_nixl_transport.py):
   poll every millisecond or so (a decode worker mid-step, an encoder mid-batch).
 - On CPU UCX moves data with cma (process_vm_writev/readv) inside `transfer()`: the
   initiator's thread does the copy before the call returns, usually "DONE".
-- Releasing an unfinished transfer only *starts* its abort (nixl's `nixl_xfer_handle` /
-  `release_xfer_handle` docstrings): when NIXL cannot cancel it, release raises, the handle
-  stays, and posted writes or reads can still land. So a released transfer is
-  *terminated* only once NIXL reports a terminal state (DONE / ERR, or its peer is gone)
-  and the handle is freed: ``Transfer.release`` says whether it is, ``Transfer.terminated``
-  polls one that is not, and only then is the memory it touches free to reuse.
+- Releasing an unfinished transfer only *starts* its abort (nixl's `release_xfer_handle`
+  docstring): when NIXL cannot cancel it, release raises, the handle stays, and posted
+  writes or reads can still land. So the memory a released transfer touches is free only
+  once it is *terminated* (``Transfer.release`` / ``Transfer.terminated``): NIXL reported
+  DONE / ERR or its peer is gone, and its handle is freed.
 - A killed peer: `transfer()` / `check_xfer_state()` raise `nixlRemoteDisconnectError`
   within a millisecond. After a request to a dead peer fails, the agent must be
   driven once (`get_new_notifs`) before it is destroyed, or UCX aborts the process at
@@ -52,7 +51,6 @@ Not thread-safe: one thread per transport (the optional progress thread is NIXL'
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -128,33 +126,24 @@ class _Peer:
 
 
 class Transfer:
-    """One posted READ or WRITE. Poll it, wait on it with a deadline, or release it.
-
-    ``released``: the caller gave it up (or it completed); ``terminated``: no byte of it
-    can move any more (done, failed, or cancelled and its handle freed). A released
-    transfer that NIXL could not cancel stays in flight until ``terminated``."""
+    """One posted READ or WRITE. Poll it, wait on it with a deadline, or release it
+    (``released``); ``terminated``: no byte of it can move any more (done, failed, or
+    cancelled and its handle freed), which a released transfer may not yet be."""
 
     __slots__ = ("op", "peer", "nbytes", "num_descs", "_transport", "_handle", "_done", "_released", "_held",
                  "__weakref__")
 
     def __init__(self, transport: NixlTransport, handle: Any, op: str, peer: str, nbytes: int, num_descs: int):
-        self._transport = transport
-        self._handle = handle
-        self.op = op
-        self.peer = peer
-        self.nbytes = nbytes
+        self._transport, self._handle, self.op, self.peer, self.nbytes = transport, handle, op, peer, nbytes
         self.num_descs = num_descs  # descriptors after coalescing
-        self._done = False
-        self._released = False
+        self._done = self._released = False
         self._held = False  # the hold seam (NixlTransport.hold): not yet handed to NIXL
 
     def __repr__(self) -> str:
         state = ("done" if self._done else "released" if self.released else "in progress")
         return f"Transfer({self.op} {self.peer}, {self.nbytes} B, {self.num_descs} descs, {state})"
 
-    @property
-    def done(self) -> bool:
-        return self._done
+    done = property(lambda self: self._done)
 
     @property
     def released(self) -> bool:
@@ -252,13 +241,12 @@ class Transfer:
         """Free the handle of a transfer NIXL reported terminal (ERR, or its peer failed)."""
         self._released = True
         self._transport._live.discard(self)
-        handle, self._handle = self._handle, None
         self._transport._cancelling.discard(self)
-        if handle is not None:
-            try:
-                handle.release()
-            except Exception as e:
-                logger.debug("release of failed %s: %s", self._what(), e)
+        handle, self._handle = self._handle, None
+        try:
+            handle is not None and handle.release()
+        except Exception as e:
+            logger.debug("release of failed %s: %s", self._what(), e)
 
 
 class NixlTransport:
@@ -500,8 +488,8 @@ class NixlTransport:
             t._held = True
             self._held.append(t)
             self._live.add(t)
-            with open(self._hold_path + ".held", "a") if self._hold_path else contextlib.nullcontext() as f:
-                if f is not None:
+            if self._hold_path:
+                with open(self._hold_path + ".held", "a") as f:
                     f.write(f"{t._what()}\n")
             return t
         try:
@@ -532,8 +520,7 @@ class NixlTransport:
                 state = self._agent.transfer(t._handle)
             except Exception as e:
                 logger.warning("%s: held %s failed to post: %s", self.name, t._what(), e)
-                t._free()
-                continue
+                state = "ERR"
             if state == "DONE" and not t._released:
                 t._complete()
             elif state not in ("DONE", "PROC"):
@@ -541,10 +528,7 @@ class NixlTransport:
             elif t._released:
                 t._settle()
 
-    @property
-    def num_cancelling(self) -> int:
-        """Released transfers NIXL has not terminated yet (they may still move data)."""
-        return len(self._cancelling)
+    num_cancelling = property(lambda self: len(self._cancelling), doc="Released transfers not terminated yet")
 
     # -- notifications ------------------------------------------------------------------
 
