@@ -294,8 +294,9 @@ class Pipeline:
                                              watch=(p, d))
             del self.kv_writer[rid]  # its writes are complete
         except RequestError as e:
-            if e.instance == p.instance_id and e.kind not in ("dead", "timeout"):
+            if e.instance == p.instance_id and e.kind not in ("dead", "timeout", "kv_transfer"):
                 self.kv_writer.pop(rid, None)  # it reported the failure: it writes nothing more
+            # (a failed KV transfer's writes may still be in flight: its KVWriterDone ends the fence)
             raise
         finally:
             p.inflight -= 1

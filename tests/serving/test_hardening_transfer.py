@@ -75,7 +75,7 @@ def test_cancelled_write_still_in_flight_keeps_its_blocks_fenced(llama_dir, tmp_
     hold = tmp_path / "hold-prefill-0"
     env = {"EPD_INJECT_HOLD_TRANSFERS": str(tmp_path / "hold-{agent}")}
     with launch(llama_dir, "p:2,d:1", "--prefill-routing", "round-robin", "--max-num-seqs", "8",
-                env=env) as server:
+                env=env, timeout_s=900) as server:
         short = [300 + k for k in range(20)]
         long = [50 + (7 * k) % 400 for k in range(16 * 12)]
         expected = _complete(server, short, 400)
@@ -121,7 +121,7 @@ def held_llava(llava_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("holds")
     env = {"EPD_INJECT_HOLD_TRANSFERS": str(d / "hold-{agent}")}
     with launch(llava_dir, "e:1,pd:1", "--block-size", "8", "--max-model-len", "512", "--embedding-ttl", "0.2",
-                "--kv-timeout", "120", env=env) as server:
+                "--kv-timeout", "120", env=env, timeout_s=900) as server:
         yield server, d / "hold-pd-0"
 
 
