@@ -4,14 +4,16 @@ A malicious client must not be able to make the server spend unbounded memory or
 so every decoder checks cheap things first (byte size, header-declared dimensions or
 duration) against :class:`MediaLimits` and only then decodes, in a bounded way.
 
-Every failure is a :class:`MediaError` (a ``ValueError``) whose subclass says what went
-wrong; the API maps them to HTTP 400 (413 for :class:`MediaTooLargeError`).
+Every failure is a :class:`MediaError` (an ``epd.errors.InvalidRequestError``: the
+client's fault) whose subclass says what went wrong; the API answers 400.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from epd.errors import InvalidRequestError
 
 __all__ = [
     "CorruptMediaError",
@@ -27,7 +29,7 @@ __all__ = [
 # --------------------------------------------------------------------------- errors
 
 
-class MediaError(ValueError):
+class MediaError(InvalidRequestError):
     """A media item was rejected. ``modality`` is ``"image"``, ``"audio"`` or ``"video"``.
 
     The message says what is wrong and what is accepted (or which limit was hit).
