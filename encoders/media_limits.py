@@ -87,6 +87,10 @@ class MediaLimits:
     from one video (a request may ask for fewer, never more); ``max_video_sample_pixels``:
     sampled frames larger than this are scaled down (aspect kept) as they are converted to
     RGB, so one video's frames hold at most max_video_frames x this x 3 bytes.
+    ``max_item_bytes``: one item's processed tensor (a native-resolution image's
+    ``pixel_values``, a video's ``pixel_values_videos``), computed from the header before
+    processing (``epd.encoders.patch_grid``); at most ``epd.messages.MAX_TENSOR_BYTES``,
+    the largest tensor a worker decodes (``--max-mm-item-mb``).
     """
 
     max_image_bytes: int = 20 * 2**20
@@ -102,6 +106,7 @@ class MediaLimits:
     max_video_decoded_pixels: int = 600 * 30 * 1920 * 1080
     max_video_frames: int = 32
     max_video_sample_pixels: int = 1920 * 1080
+    max_item_bytes: int = 256 * 2**20
 
 
 def as_bytes(data: Any, modality: str, max_bytes: int) -> bytes:
