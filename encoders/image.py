@@ -30,7 +30,7 @@ from epd.encoders.media_limits import (
     as_bytes,
 )
 
-__all__ = ["IMAGE_FORMATS", "MAX_JPEG_SCANS", "decode_image", "normalize_image"]
+__all__ = ["IMAGE_FORMATS", "MAX_JPEG_SCANS", "decode_image", "header_size", "normalize_image"]
 
 _DEFAULT_LIMITS = MediaLimits()
 
@@ -128,6 +128,20 @@ def _header_size(data: bytes) -> tuple[int, int] | None:
     if data[:3] == b"\xff\xd8\xff":
         return _jpeg_frame_size(data)
     return None
+
+
+def header_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) an accepted image's header declares, read without decoding a pixel
+    (a few slices, else Pillow's lazy open); None when neither can tell (the decode that
+    follows then finds out why)."""
+    size = _header_size(data)
+    if size is not None:
+        return size
+    try:
+        with Image.open(io.BytesIO(data), formats=("PNG", "JPEG", "GIF", "BMP")) as img:  # WebP: sliced above
+            return img.size
+    except (*_PIL_ERRORS, *_BOMB_ERRORS):
+        return None
 
 
 def _jpeg_segments(data: bytes):

@@ -4,14 +4,16 @@ A malicious client must not be able to make the server spend unbounded memory or
 so every decoder checks cheap things first (byte size, header-declared dimensions or
 duration) against :class:`MediaLimits` and only then decodes, in a bounded way.
 
-Every failure is a :class:`MediaError` (a ``ValueError``) whose subclass says what went
-wrong; the API maps them to HTTP 400 (413 for :class:`MediaTooLargeError`).
+Every failure is a :class:`MediaError` (an ``epd.errors.InvalidRequestError``: the
+client's fault) whose subclass says what went wrong; the API answers 400.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from epd.errors import InvalidRequestError
 
 __all__ = [
     "CorruptMediaError",
@@ -27,7 +29,7 @@ __all__ = [
 # --------------------------------------------------------------------------- errors
 
 
-class MediaError(ValueError):
+class MediaError(InvalidRequestError):
     """A media item was rejected. ``modality`` is ``"image"``, ``"audio"`` or ``"video"``.
 
     The message says what is wrong and what is accepted (or which limit was hit).
@@ -85,6 +87,10 @@ class MediaLimits:
     from one video (a request may ask for fewer, never more); ``max_video_sample_pixels``:
     sampled frames larger than this are scaled down (aspect kept) as they are converted to
     RGB, so one video's frames hold at most max_video_frames x this x 3 bytes.
+    ``max_item_bytes``: one item's processed tensor (a native-resolution image's
+    ``pixel_values``, a video's ``pixel_values_videos``), computed from the header before
+    processing (``epd.encoders.patch_grid``); at most ``epd.messages.MAX_TENSOR_BYTES``,
+    the largest tensor a worker decodes (``--max-mm-item-mb``).
     """
 
     max_image_bytes: int = 20 * 2**20
@@ -100,6 +106,7 @@ class MediaLimits:
     max_video_decoded_pixels: int = 600 * 30 * 1920 * 1080
     max_video_frames: int = 32
     max_video_sample_pixels: int = 1920 * 1080
+    max_item_bytes: int = 256 * 2**20
 
 
 def as_bytes(data: Any, modality: str, max_bytes: int) -> bytes:

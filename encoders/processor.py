@@ -27,9 +27,19 @@ from PIL import Image
 from transformers import PretrainedConfig
 
 from epd.encoders.audio import decode_audio, normalize_audio
-from epd.encoders.image import decode_image, normalize_image
-from epd.encoders.media_limits import MediaLimits
-from epd.encoders.video import DecodedVideo, VideoFrame, VideoSampling, decode_video, normalize_video
+from epd.encoders.image import decode_image, header_size, normalize_image
+from epd.encoders.media_limits import MediaLimits, MediaTooLargeError
+from epd.encoders.patch_grid import PatchGrid
+from epd.encoders.video import (
+    DecodedVideo,
+    VideoFrame,
+    VideoSampling,
+    decode_video,
+    normalize_video,
+    probe_video,
+    sample_size,
+    sampled_frames,
+)
 from epd.errors import InvalidRequestError
 from epd.multimodal import MediaItem, Placeholder
 
@@ -119,6 +129,7 @@ class MultiModalProcessor:
         self.feature_extractor = None
         self.placeholder_ids: dict[str, int] = {}
         self.native_resolution = False
+        self.patch_grid: PatchGrid | None = None  # native resolution: what an item's pixels weigh
         if "image" in self.modalities:
             from transformers import AutoImageProcessor
 
@@ -126,6 +137,8 @@ class MultiModalProcessor:
             self.placeholder_ids["image"] = config.image_token_id
             # Qwen2-VL / Qwen2.5-VL: native resolution, tokens per image from its grid.
             self.native_resolution = config.model_type in ("qwen2_vl", "qwen2_5_vl")
+            if self.native_resolution:
+                self.patch_grid = PatchGrid.of(self.image_processor)
             self._image_tokens = None if self.native_resolution else self._tokens_per_image(config)
         if self.modalities.get("video") == "embed":
             self.placeholder_ids["video"] = config.video_token_id
@@ -144,8 +157,66 @@ class MultiModalProcessor:
             n += 1
         return n
 
+    # ---- size of an item, before processing ------------------------------------------
+    def fit_image(self, width: int, height: int, where: str = "image") -> int | None:
+        """The ``max_pixels`` a native-resolution ``width`` x ``height`` image is processed
+        with so that its ``pixel_values`` fit ``limits.max_item_bytes`` (None: the processor's
+        own; a larger image is scaled down further, aspect kept, as the processor's own
+        ``max_pixels`` scales it). ``where`` names the item in errors.
+
+        Raises:
+            MediaTooLargeError: not even the smallest size fits; UnsupportedMediaError: an
+                aspect ratio the processor refuses (over 200).
+        """
+        grid, limit = self.patch_grid, self.limits.max_item_bytes
+        if grid is None or grid.image_bytes(width, height) <= limit:
+            return None
+        cap = grid.max_pixels_within(limit)
+        if cap < (grid.patch * grid.merge) ** 2 or grid.image_bytes(width, height, cap) > limit:
+            raise MediaTooLargeError(f"{where}: the image's pixel_values would be {grid.image_bytes(width, height)} "
+                                     f"bytes; the limit is {limit} bytes (--max-mm-item-mb)", modality="image")
+        return cap
+
+    def check_image(self, data: bytes, where: str = "image") -> None:
+        """:meth:`fit_image` from the size an encoded image's header declares (no pixel is
+        decoded; an image whose header says nothing is checked again once decoded)."""
+        size = header_size(bytes(data)) if self.patch_grid is not None else None
+        if size is not None:
+            self.fit_image(*size, where)
+
+    def fit_video(self, video, sampling: VideoSampling, pinned: bool = False, where: str = "video"
+                  ) -> VideoSampling:
+        """``sampling`` of a native-resolution video (encoded bytes) such that its
+        ``pixel_values_videos`` fit ``limits.max_item_bytes``, from its header (size, frame
+        count) before any frame is decoded: as given when they fit; else, unless ``pinned``
+        (the request named its frame count), with the most frames (a multiple of the
+        temporal patch) that fit. ``where`` names the item in errors.
+
+        Raises:
+            MediaTooLargeError: over the limit with ``pinned``, or even at the fewest frames.
+            epd.encoders.media_limits.MediaError: as :func:`epd.encoders.video.probe_video`.
+        """
+        grid, limit = self.patch_grid, self.limits.max_item_bytes
+        if grid is None or self.modalities.get("video") != "embed" or not isinstance(
+                video, (bytes, bytearray, memoryview)):
+            return sampling
+        header = probe_video(bytes(video), limits=self.limits)
+        per_frame = grid.frame_bytes(*sample_size(header.width, header.height, self.limits))
+        tp = grid.temporal_patch
+        frames = sampled_frames(header, sampling)
+        need = -(-frames // tp) * tp * per_frame
+        if need <= limit:
+            return sampling
+        fit = limit // per_frame // tp * tp
+        if pinned or fit < 1:
+            hint = (f"; ask for at most {fit} frames (media_io_kwargs.video.num_frames)" if fit >= 1 else "")
+            raise MediaTooLargeError(f"{where}: {frames} frames of this {header.width}x{header.height} video make "
+                                     f"{need} bytes of pixel_values_videos; the limit is {limit} bytes "
+                                     f"(--max-mm-item-mb){hint}", modality="video")
+        return VideoSampling(fps=sampling.fps, max_frames=fit)
+
     # ---- items ----------------------------------------------------------
-    def image_item(self, image: Image.Image | bytes | VideoFrame) -> MediaItem:
+    def image_item(self, image: Image.Image | bytes | VideoFrame, where: str = "image") -> MediaItem:
         if "image" not in self.modalities:
             raise InvalidRequestError("this model does not accept images: send text (or audio) only",
                                       "multi_modal_data")
@@ -164,8 +235,12 @@ class MultiModalProcessor:
                                       "multi_modal_data")
         if self.native_resolution:
             # The processor resizes to a multiple of patch * merge pixels, between its
-            # size["shortest_edge"] (min_pixels) and size["longest_edge"] (max_pixels).
-            out = self.image_processor(images=[img], return_tensors="pt")
+            # size["shortest_edge"] (min_pixels) and size["longest_edge"] (max_pixels),
+            # lowered to what fits max_item_bytes.
+            cap = self.fit_image(img.width, img.height, where)
+            size = {} if cap is None else {"size": {"shortest_edge": min(self.patch_grid.min_pixels, cap),
+                                                    "longest_edge": cap}}
+            out = self.image_processor(images=[img], return_tensors="pt", **size)
             pixel_values, grid = out["pixel_values"].float(), out["image_grid_thw"][0].long()
             merge = self.config.vision_config.spatial_merge_size
             return MediaItem("image", item_hash("image", params, pixel_values, grid),
@@ -230,11 +305,19 @@ class MultiModalProcessor:
             raise InvalidRequestError("this model takes video as frames: see video_frames", "multi_modal_data")
         if isinstance(video, tuple) and len(video) == 2 and isinstance(video[1], VideoSampling):
             video, sampling = video  # (video, its request's sampling), as the chat renderer passes it
+        if isinstance(video, (bytes, bytearray, memoryview)):
+            sampling = self.fit_video(video, sampling or self.video_sampling())
         decoded = self.decode_video(video, sampling)
         vc = self.config.vision_config
         tp, merge = vc.temporal_patch_size, vc.spatial_merge_size
         frames = list(decoded.frames)
         frames += [frames[-1]] * (-len(frames) % tp)
+        h, w = frames[0].shape[:2]
+        need = len(frames) * self.patch_grid.frame_bytes(w, h)
+        if need > self.limits.max_item_bytes:  # frames given as an array, or a header that lied
+            raise MediaTooLargeError(f"{len(frames)} frames of {w}x{h} make {need} bytes of pixel_values_videos; the "
+                                     f"limit is {self.limits.max_item_bytes} bytes (--max-mm-item-mb)",
+                                     modality="video")
         out = self.image_processor(images=[Image.fromarray(f) for f in frames], return_tensors="pt")
         grids = out["image_grid_thw"]
         if not bool((grids == grids[0]).all()):  # pragma: no cover - frames of one video share a size

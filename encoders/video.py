@@ -52,7 +52,8 @@ from epd.encoders.media_limits import (
 )
 
 __all__ = ["VIDEO_CODECS", "VIDEO_CONTAINERS", "VIDEO_PLACEHOLDER", "DecodedVideo", "VideoFrame", "VideoHeader",
-           "VideoSampling", "decode_video", "normalize_video", "sniff_video"]
+           "VideoSampling", "decode_video", "normalize_video", "probe_video", "sample_size", "sampled_frames",
+           "sniff_video"]
 
 #: sniffed container -> the FFmpeg demuxer forced for it
 VIDEO_CONTAINERS = {"MP4": "mp4", "WEBM": "matroska"}
@@ -267,9 +268,42 @@ def decode_video(data: bytes, *, sampling: VideoSampling = VideoSampling(),
         CorruptMediaError: unparseable, damaged or truncated data.
         TypeError: ``data`` is not bytes-like.
     """
+    buf = as_bytes(data, "video", limits.max_video_bytes)
+    container, kind = _open(buf, limits)
+    try:
+        with container:
+            header = _header(container, kind, limits)
+            frames, times = _decode_sampled(container, header, _targets(header, sampling), limits)
+    except MediaError:
+        raise
+    except _PYAV_ERRORS as e:  # whatever else a hostile file makes the bindings raise is the file's fault
+        raise CorruptMediaError(f"cannot decode the video: {type(e).__name__}: {e}", modality="video") from None
+    return DecodedVideo(frames, times, _digest(buf, "bytes", sampling), sampling, header)
+
+
+def probe_video(data: bytes, *, limits: MediaLimits = MediaLimits()) -> VideoHeader:
+    """The checked header of untrusted video bytes (the container's and the stream's
+    headers only: no frame is decoded). Raises as :func:`decode_video`."""
+    buf = as_bytes(data, "video", limits.max_video_bytes)
+    container, kind = _open(buf, limits)
+    try:
+        with container:
+            return _header(container, kind, limits)
+    except MediaError:
+        raise
+    except _PYAV_ERRORS as e:
+        raise CorruptMediaError(f"cannot read the video header: {type(e).__name__}: {e}", modality="video") from None
+
+
+def sampled_frames(header: VideoHeader, sampling: VideoSampling) -> int:
+    """How many frames :func:`decode_video` samples from a video of ``header``."""
+    return len(_targets(header, sampling))
+
+
+def _open(buf: bytes, limits: MediaLimits):
+    """(the opened PyAV container, its sniffed kind) of checked video bytes."""
     import av
 
-    buf = as_bytes(data, "video", limits.max_video_bytes)
     kind = sniff_video(buf)
     if kind is None:
         other = _other_format(buf)
@@ -282,18 +316,10 @@ def decode_video(data: bytes, *, sampling: VideoSampling = VideoSampling(),
         why = getattr(e, "strerror", None) or str(e)  # FFmpeg's reason, without its errno
         raise CorruptMediaError(f"cannot read the video container (truncated, damaged or not a video: {why}); "
                                 f"{_ACCEPTED}", modality="video") from None
-    try:
-        with container:
-            header = _header(container, kind, limits)
-            frames, times = _decode_sampled(container, header, _targets(header, sampling), limits)
-    except MediaError:
-        raise
-    except _PYAV_ERRORS as e:  # whatever else a hostile file makes the bindings raise is the file's fault
-        raise CorruptMediaError(f"cannot decode the video: {type(e).__name__}: {e}", modality="video") from None
-    return DecodedVideo(frames, times, _digest(buf, "bytes", sampling), sampling, header)
+    return container, kind
 
 
-def _sample_size(width: int, height: int, limits: MediaLimits) -> tuple[int, int]:
+def sample_size(width: int, height: int, limits: MediaLimits) -> tuple[int, int]:
     """(width, height) a sampled frame is converted at: as decoded, or scaled down (aspect
     kept, even sizes) to at most ``max_video_sample_pixels``."""
     budget = limits.max_video_sample_pixels
@@ -304,8 +330,8 @@ def _sample_size(width: int, height: int, limits: MediaLimits) -> tuple[int, int
 
 
 def _to_rgb(frame, limits: MediaLimits) -> np.ndarray:
-    """[H, W, 3] uint8 RGB of a decoded frame, scaled down per :func:`_sample_size`."""
-    w, h = _sample_size(frame.width, frame.height, limits)
+    """[H, W, 3] uint8 RGB of a decoded frame, scaled down per :func:`sample_size`."""
+    w, h = sample_size(frame.width, frame.height, limits)
     if (w, h) != (frame.width, frame.height):
         frame = frame.reformat(width=w, height=h, format="rgb24", interpolation="AREA")
     return frame.to_ndarray(format="rgb24")

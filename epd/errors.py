@@ -24,10 +24,11 @@ class InternalError(RuntimeError):
 
 def error_status(exc: BaseException) -> int:
     """The HTTP status a failure maps to, by who failed: 400 the client's request
-    (``InvalidRequestError`` and other ``ValueError``s from validation), 503 capacity
-    (``CapacityError``), 500 anything else (epd's fault)."""
+    (``InvalidRequestError``, which ``epd.encoders.media_limits.MediaError`` is too),
+    503 capacity (``CapacityError``), 500 anything else, a plain ``ValueError`` included
+    (an internal check failing is epd's fault, never the client's)."""
     if isinstance(exc, CapacityError):
         return 503
-    if isinstance(exc, ValueError):
+    if isinstance(exc, InvalidRequestError):
         return 400
     return 500

@@ -26,6 +26,7 @@ from epd.api.media_fetch import MediaFetcher
 from epd.api.protocol import BadRequest, ChatRequest, ImagePart, TextPart, VideoPart
 from epd.api.tool_parsers import PARSERS, detect_parser
 from epd.api.tools import ToolPlan, apply_template, template_message, template_renders_tools
+from epd.encoders.media_limits import MediaError
 from epd.encoders.processor import AUDIO_PLACEHOLDER, MultiModalProcessor
 
 
@@ -119,6 +120,21 @@ def decode_b64(data: str, param: str) -> bytes:
         raise BadRequest("invalid base64 media data", param) from None
 
 
+def _sized(check, data: bytes, param: str, index: int, *args):
+    """``check(data, *args, where=...)`` (``MultiModalProcessor.check_image`` / ``fit_video``:
+    an item's processed size, from its header) for content part ``index`` of ``param``
+    (``messages.<i>.content``); its refusal becomes a 400 naming that part.
+
+    Raises:
+        BadRequest: the item is over ``--max-mm-item-mb`` (or its header is bad).
+    """
+    i = param.split(".")[1]
+    try:
+        return check(data, *args, where=f"messages[{i}].content[{index}]")
+    except MediaError as e:
+        raise BadRequest(str(e), f"{param}.{index}") from None
+
+
 class ChatPromptRenderer:
     """Renders a ``ChatRequest``'s messages for one model: decodes (or fetches) the
     media parts for the processor, transcribes audio for text-only models through
@@ -154,17 +170,20 @@ class ChatPromptRenderer:
                          param)
 
     async def _parts(self, content: list, param: str, images: list, audios: list, videos: list,
-                     sampling=None) -> list[dict]:
-        """One message's content parts as HF-style dicts; its media go to ``images`` / ``audios``."""
+                     sampling=None, pinned: bool = False) -> list[dict]:
+        """One message's content parts as HF-style dicts; its media go to ``images`` / ``audios``.
+        ``pinned``: the request named its videos' frame count (they are never sampled thinner)."""
         processor = self.processor
         parts: list[dict] = []
-        for p in content:
+        for j, p in enumerate(content):
             if isinstance(p, TextPart):
                 parts.append({"type": "text", "text": self.literal.escape(p.text)})
             elif isinstance(p, ImagePart):
                 if self.image_tok is None:
                     raise BadRequest("this model does not accept images", param)
-                images.append(await self.load_image(p.image_url.url, param))
+                data = await self.load_image(p.image_url.url, param)
+                _sized(processor.check_image, data, param, j)
+                images.append(data)
                 parts.append({"type": "image"})
             elif isinstance(p, VideoPart):
                 mode = processor.modalities.get("video")
@@ -176,7 +195,9 @@ class ChatPromptRenderer:
                     images.extend(frames)
                     parts.extend({"type": "image"} for _ in frames)
                 else:  # Qwen-VL: one video item of temporal patches, decoded by the processor
-                    videos.append((data, sampling or processor.video_sampling()))
+                    fitted = await self.cpu.run(_sized, processor.fit_video, data, param, j,
+                                                sampling or processor.video_sampling(), pinned)
+                    videos.append((data, fitted))
                     parts.append({"type": "video"})
             else:
                 if "audio" not in processor.modalities:
@@ -215,7 +236,9 @@ class ChatPromptRenderer:
                 msgs.append(template_message(m, literal.escape(m.content or "")))
                 continue
             msgs.append(template_message(m, await self._parts(m.content, f"messages.{i}.content", images,
-                                                              audios, videos, sampling)))
+                                                              audios, videos, sampling,
+                                                              video_kwargs is not None
+                                                              and video_kwargs.num_frames is not None)))
         mm: dict[str, Any] = {}
         if images:
             mm["image"] = images

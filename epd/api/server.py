@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epd.api.auth import api_key_ok
+from epd.api.body_budget import BodyBudget, BodyBudgetFull, budget_full
 from epd.api.chat_prompt import ChatPromptRenderer
 from epd.api.completions import ApiState, CompletionService
 from epd.api.logprobs import LogprobFormatter
@@ -57,6 +58,8 @@ class ApiSettings:
     api_key: when set, every ``/v1`` and ``/epd`` request, and the ``/v1/realtime``
         handshake, needs ``Authorization: Bearer <key>`` (else 401 / close code 1008).
     max_body_bytes: larger request bodies get 413.
+    max_inflight_body_bytes: request bodies being read at once, all requests together
+        (``epd.api.body_budget``); a body that does not fit gets 503 with ``Retry-After``.
     max_pending_requests: requests in flight at once (streams and realtime responses
         included); more get 429 (a realtime response: an ``error`` event).
     max_n: largest ``n`` (choices per request).
@@ -75,6 +78,7 @@ class ApiSettings:
 
     api_key: str | None = None
     max_body_bytes: int = int(_LAUNCH.max_body_mb * 2**20)
+    max_inflight_body_bytes: int = int(_LAUNCH.max_inflight_body_mb * 2**20)
     max_pending_requests: int = _LAUNCH.max_pending_requests
     max_n: int = _LAUNCH.max_n
     allowed_media_domains: tuple[str, ...] = ()
@@ -106,11 +110,13 @@ _GENERATE_PATHS = ("/v1/chat/completions", "/v1/completions")
 class GuardMiddleware:
     """ASGI middleware: API key check on ``/v1`` and ``/epd`` (401), the pending-request
     limit decided before the body is read (429 with ``Retry-After``; ``state``: the
-    requests in flight), and the body size limit (413, counted on the bytes actually
-    received, so chunked bodies are limited too)."""
+    requests in flight), the body size limit (413, counted on the bytes actually
+    received, so chunked bodies are limited too), and the bytes of bodies being read at
+    once (``BodyBudget``: 503 with ``Retry-After``, before reading past it)."""
 
     def __init__(self, app, settings: ApiSettings, state: ApiState | None = None) -> None:
         self.app, self.settings, self.state = app, settings, state
+        self.budget = BodyBudget(settings.max_inflight_body_bytes)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -128,19 +134,35 @@ class GuardMiddleware:
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > s.max_body_bytes):
             return await _too_large(s)(scope, receive, send)
+        budget = self.budget
+        taken = int(length) if length is not None else 0  # bytes of the budget this request holds
+        if not budget.take(taken):
+            return await budget_full(budget.limit)(scope, receive, send)
         received = 0
 
         async def limited_receive():
-            nonlocal received
+            nonlocal received, taken
             msg = await receive()
             if msg["type"] == "http.request":
-                received += len(msg.get("body", b""))
+                chunk = len(msg.get("body", b""))
+                received += chunk
                 if received > s.max_body_bytes:
                     scope["epd.body_too_large"] = True
                     raise _BodyTooLarge
+                if length is None:  # streamed: take each chunk as it comes
+                    if not budget.take(chunk):
+                        scope["epd.body_budget_full"] = True
+                        raise BodyBudgetFull
+                    taken += chunk
+                if not msg.get("more_body", False):  # read: from here on it counts as a pending request
+                    budget.give(taken)
+                    taken = 0
             return msg
 
-        await self.app(scope, limited_receive, send)
+        try:
+            await self.app(scope, limited_receive, send)
+        finally:
+            budget.give(taken)
 
 
 def _add_error_handlers(app: FastAPI, settings: ApiSettings) -> None:
@@ -151,6 +173,8 @@ def _add_error_handlers(app: FastAPI, settings: ApiSettings) -> None:
         errs = exc.errors()
         if request.scope.get("epd.body_too_large"):
             return _too_large(settings)
+        if request.scope.get("epd.body_budget_full"):
+            return budget_full(settings.max_inflight_body_bytes)
         if not errs:
             return error_response(400, "invalid request")
         if any(e.get("type") == "json_invalid" for e in errs):
@@ -162,11 +186,17 @@ def _add_error_handlers(app: FastAPI, settings: ApiSettings) -> None:
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         if request.scope.get("epd.body_too_large"):
             return _too_large(settings)
+        if request.scope.get("epd.body_budget_full"):
+            return budget_full(settings.max_inflight_body_bytes)
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(_BodyTooLarge)
     async def on_too_large(request: Request, exc: _BodyTooLarge):
         return _too_large(settings)
+
+    @app.exception_handler(BodyBudgetFull)
+    async def on_budget_full(request: Request, exc: BodyBudgetFull):
+        return budget_full(settings.max_inflight_body_bytes)
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, exc: Exception):

@@ -108,6 +108,10 @@ def add_api_args(api, d: LaunchConfig) -> None:
                      help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EPD_API_KEY, else none)")
     api.add_argument("--max-body-mb", type=float, default=d.max_body_mb,
                      help="largest request body in MiB; larger ones get 413 (default: %(default)s)")
+    api.add_argument("--max-inflight-body-mb", type=positive_float, default=d.max_inflight_body_mb,
+                     help="request bodies being read at once, all requests together, in MiB (a body's "
+                          "Content-Length is taken before it is read); more get 503 with Retry-After; at least "
+                          "--max-body-mb (default: %(default)s)")
     api.add_argument("--max-pending-requests", type=positive_int, default=d.max_pending_requests,
                      help="requests in flight at once; more get 429 (default: %(default)s)")
     api.add_argument("--max-n", type=positive_int, default=d.max_n,
@@ -130,6 +134,11 @@ def add_api_args(api, d: LaunchConfig) -> None:
     api.add_argument("--max-video-seconds", type=positive_float, default=d.max_video_seconds,
                      help="longest video accepted, from its header and again while decoding; longer ones get "
                           "400 (default: %(default)s)")
+    api.add_argument("--max-mm-item-mb", type=positive_float, default=d.max_mm_item_mb,
+                     help="largest processed tensor of one media item, in MiB, computed from the media's header "
+                          "before processing: a larger image is scaled down to fit, a video sampled with fewer "
+                          "frames; one a request pins (media_io_kwargs.video.num_frames) gets 400; at most 256, "
+                          "what a worker accepts (default: %(default)s)")
     api.add_argument("--max-realtime-sessions", type=positive_int, default=d.max_realtime_sessions,
                      help="/v1/realtime sessions open at once; more are closed with code 1013 (default: %(default)s)")
     api.add_argument("--allowed-origins", default=d.allowed_origins,

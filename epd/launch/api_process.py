@@ -27,6 +27,7 @@ def api_settings(config: LaunchConfig):
     origins = [o.strip() for o in config.allowed_origins.split(",") if o.strip()]
     return ApiSettings(api_key=config.api_key or os.environ.get("EPD_API_KEY") or None,
                        max_body_bytes=int(config.max_body_mb * 2**20),
+                       max_inflight_body_bytes=int(config.max_inflight_body_mb * 2**20),
                        max_pending_requests=config.max_pending_requests,
                        max_n=config.max_n, allowed_media_domains=tuple(domains),
                        media_fetch_timeout_s=config.media_fetch_timeout,
@@ -169,7 +170,8 @@ async def _http_server(config: LaunchConfig, model_dir: Path, router, http_socke
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     processor = MultiModalProcessor(str(model_dir), hf_config, video_fps=config.video_fps,
                                     limits=MediaLimits(max_video_frames=config.max_video_frames,
-                                                       max_video_seconds=config.max_video_seconds))
+                                                       max_video_seconds=config.max_video_seconds,
+                                                       max_item_bytes=int(config.max_mm_item_mb * 2**20)))
     text_cfg = hf_config.get_text_config()
     max_model_len = config.max_model_len or text_cfg.max_position_embeddings
     if launched:

@@ -134,6 +134,7 @@ class LaunchConfig:
     # OpenAI API
     api_key: str | None = None  # None: $EPD_API_KEY, else none
     max_body_mb: float = 64.0
+    max_inflight_body_mb: float = 256.0  # bytes of request bodies being read at once (503 past it)
     max_pending_requests: int = 256
     max_n: int = 8
     allowed_media_domains: str = ""  # comma-separated
@@ -142,6 +143,7 @@ class LaunchConfig:
     video_fps: float = 2.0  # frames sampled per second of video (a request's media_io_kwargs.video.fps wins)
     max_video_frames: int = 32  # frames sampled from one video at most
     max_video_seconds: float = 600.0  # longest video accepted (declared duration)
+    max_mm_item_mb: float = 256.0  # one media item's processed tensors; at most the wire's MAX_TENSOR_BYTES
     max_realtime_sessions: int = 64
     allowed_origins: str = ""  # comma-separated; none: browsers (which send Origin) are refused on /v1/realtime
     tool_call_parser: str | None = None  # None: detected from the chat template
@@ -192,6 +194,14 @@ class LaunchConfig:
         if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < float("inf"):  # also nan
             raise LaunchSpecError(f"kv_cache_memory_gb must be a finite number > 0 (GiB of KV cache per worker "
                                   f"rank), got {self.kv_cache_memory_gb}")
+        from epd.messages.tensors import MAX_TENSOR_BYTES
+
+        if not 0 < self.max_mm_item_mb * 2**20 <= MAX_TENSOR_BYTES:  # also rejects nan
+            raise LaunchSpecError(f"max_mm_item_mb must be > 0 and at most {MAX_TENSOR_BYTES / 2**20:g} (the "
+                                  f"largest tensor a worker accepts), got {self.max_mm_item_mb}")
+        if not self.max_inflight_body_mb >= self.max_body_mb > 0:  # also rejects nan
+            raise LaunchSpecError(f"max_inflight_body_mb ({self.max_inflight_body_mb}) must be >= max_body_mb "
+                                  f"({self.max_body_mb}) > 0: a body of the largest size must fit")
         for name in ("threads_per_worker", "max_pending_requests", "max_n", "kv_staging_mb", "max_realtime_sessions",
                      "max_video_frames", "num_kv_blocks", "max_model_len"):
             value = getattr(self, name)

@@ -71,6 +71,7 @@ from epd.messages.control import (
     WorkerStats,
     decode,
     encode,
+    request_id_of,
 )
 from epd.messages.kv_layout import (
     KVLayout,
@@ -105,6 +106,6 @@ __all__ = [
     "KVReserved", "PrefillRequest", "PrefillDone", "GenerateRequest", "TokenOutput", "MAX_TTS_TEXT_CHARS",
     "MAX_AUDIO_CHUNK_BYTES", "SynthesizeRequest", "AudioChunk", "RequestFailed", "Abort", "PeerGone",
     "ReleaseEmbeddings", "StatsRequest", "WorkerStats", "Registered", "RegistrationRefused", "ROUTER_PING_S",
-    "ROUTER_TIMEOUT_S", "RouterPing", "Draining", "Message", "encode", "decode", "KVUnpack", "RankTarget",
-    "RankSend", "KVPlan", "KVPoll", "KVRelease", "RankPeer", "RankPeers", "KVRankMessage",
+    "ROUTER_TIMEOUT_S", "RouterPing", "Draining", "Message", "encode", "decode", "request_id_of", "KVUnpack",
+    "RankTarget", "RankSend", "KVPlan", "KVPoll", "KVRelease", "RankPeer", "RankPeers", "KVRankMessage",
 ]

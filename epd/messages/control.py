@@ -362,3 +362,22 @@ def decode(data: bytes) -> Message:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise MessageError(f"malformed control message: {e}") from None
+
+
+class _Named(msgspec.Struct):
+    """Only the ``request_id`` of a message; every other field is skipped unchecked."""
+
+    request_id: Annotated[str, msgspec.Meta(max_length=256)]
+
+
+_named_decoder = msgspec.msgpack.Decoder(_Named)
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The ``request_id`` that the bytes of a message ``decode`` refused name (read
+    leniently, so a command too large or malformed to handle can still be answered with
+    ``RequestFailed``); None when they name none."""
+    try:
+        return _named_decoder.decode(data).request_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

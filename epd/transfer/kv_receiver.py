@@ -9,6 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from epd.errors import error_status
 from epd.messages import (
     KVReady,
     KVReserved,
@@ -94,9 +95,9 @@ class NixlKVReceiver(KVReceiver):
                     return  # no staging room yet: retry once a staged request arrives or aborts
                 blocks = self.engine.add_remote_request(msg.request_id, list(msg.prompt_token_ids), msg.params,
                                                         mm_placeholders=list(msg.placeholders))
-            except ValueError as e:  # InvalidRequestError included: the request's own fault
+            except ValueError as e:  # InvalidRequestError (400): the request's own fault; else (500) this instance's
                 self.pending.popleft()
-                out.append(RequestFailed(msg.request_id, self.instance_id, str(e), status=400))
+                out.append(RequestFailed(msg.request_id, self.instance_id, str(e), status=error_status(e)))
                 continue
             if blocks is None:
                 return  # no room yet: keep order, retry after the next step frees blocks

@@ -441,12 +441,14 @@ class NixlTransport:
 
     def write(self, peer: str, local: list[Region], remote: list[Region], notif: bytes = b"") -> Transfer:
         """Post a WRITE of local[i] into remote[i] on `peer`; `notif` reaches the peer
-        after the data. Raises ValueError (nothing sent) for bad ranges."""
+        after the data. Raises (nothing sent) ValueError for bad ranges, TransferError for a
+        remote range outside what the peer advertised (a stale ref after its restart: retryable)."""
         return self._post("WRITE", peer, local, remote, notif)
 
     def read(self, peer: str, local: list[Region], remote: list[Region], notif: bytes = b"") -> Transfer:
         """Post a READ of remote[i] on `peer` into local[i]; `notif` reaches the peer
-        after the data. Raises ValueError (nothing sent) for bad ranges."""
+        after the data. Raises (nothing sent) ValueError for bad ranges, TransferError for a
+        remote range outside what the peer advertised (a stale ref after its restart: retryable)."""
         return self._post("READ", peer, local, remote, notif)
 
     def _post(self, op: str, peer: str, local: Any, remote: Any, notif: bytes) -> Transfer:
@@ -467,7 +469,10 @@ class NixlTransport:
             i = int(np.flatnonzero(mismatch)[0])
             raise ValueError(f"{op}: length mismatch at #{i}: local {int(ldesc[i, 1])} vs remote {int(rdesc[i, 1])}")
         lidx = self._local.locate(ldesc, f"{op} local region (not inside this agent's registrations)")
-        ridx = p.table.locate(rdesc, f"{op} remote region (not inside what peer {peer!r} advertised)")
+        try:
+            ridx = p.table.locate(rdesc, f"{op} remote region (not inside what peer {peer!r} advertised)")
+        except ValueError as e:  # a stale ref (the peer restarted) or a buggy peer: ours to retry, not the client's
+            raise TransferError(str(e)) from None
         check_disjoint(rdesc if op == "WRITE" else ldesc, f"{op} destination")
         nbytes = int(ldesc[:, 1].sum())
         ldesc, rdesc = coalesce(ldesc, rdesc, lidx, ridx)

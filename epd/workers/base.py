@@ -38,7 +38,7 @@ import torch
 import zmq
 
 from epd.cluster_auth import ClusterKeys
-from epd.errors import CapacityError, error_status
+from epd.errors import CapacityError, InternalError, error_status
 from epd.messages import (
     ROUTER_TIMEOUT_S,
     Abort,
@@ -59,6 +59,7 @@ from epd.messages import (
     WorkerStats,
     decode,
     encode,
+    request_id_of,
 )
 from epd.roles import Role
 
@@ -488,6 +489,9 @@ class BaseWorker:
                 msg = decode(data)
             except MessageError as e:
                 logger.warning("%s dropped a malformed command: %s", self.instance_id, e)
+                rid = request_id_of(data)
+                if rid is not None:  # the router must not wait for it: it fails now (500, ours)
+                    self.fail(rid, InternalError(f"{self.instance_id} could not read its command: {e}"))
                 continue
             try:
                 self.handle(msg)

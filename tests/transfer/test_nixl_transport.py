@@ -17,6 +17,7 @@ pytest.importorskip("nixl")
 
 import _nixl_peer as peer_mod  # tests/transfer is on sys.path under pytest
 
+from epd.errors import error_status
 from epd.transfer import NixlTransport, TransferError, TransferTimeout
 from epd.transfer.regions import block_regions, tensor_region
 from epd.transfer.regions import coalesce as _coalesce
@@ -146,10 +147,11 @@ def test_remote_region_outside_advertised_rejected(peer_a, side_b):
         (kv_a[0], BLOCK, 1),  # wrong device id
         (kv_a[0] + kv_a[1] + (1 << 20), BLOCK, 0),  # far outside
     ]
-    for bad in bad_remotes:
-        with pytest.raises(ValueError, match="remote"):
+    for bad in bad_remotes:  # a stale or bad ref from a peer: the server's fault (500) and retryable, not a 400
+        with pytest.raises(TransferError, match="remote") as err:
             b.write("a", one, [bad], notif=b"must-not-arrive")
-        with pytest.raises(ValueError, match="remote"):
+        assert error_status(err.value) == 500
+        with pytest.raises(TransferError, match="remote"):
             b.read("a", one, [bad], notif=b"must-not-arrive")
     # Local ranges must lie in our own registrations.
     stray = torch.zeros(2048)
