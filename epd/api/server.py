@@ -66,6 +66,9 @@ class ApiSettings:
     allowed_media_domains: hosts whose http(s) media URLs are fetched (empty: none).
     media_fetch_timeout_s / max_media_bytes: limits of one fetch (seconds, bytes).
     max_realtime_sessions: ``/v1/realtime`` sessions open at once; more are closed with code 1013.
+    realtime_idle_timeout_s: a ``/v1/realtime`` session that sends no event for this many
+        seconds while none of its work runs gets an ``error`` event (``session_idle_timeout``)
+        and is closed with code 1000; None: never.
     allowed_origins: browser origins (``scheme://host[:port]``, or ``*``) that may open
         ``/v1/realtime``; a handshake with any other ``Origin`` header gets 403.
     default_max_tokens: ``max_tokens`` when the request gives none (capped by the context
@@ -85,6 +88,7 @@ class ApiSettings:
     media_fetch_timeout_s: float = _LAUNCH.media_fetch_timeout
     max_media_bytes: int = int(_LAUNCH.max_media_mb * 2**20)
     max_realtime_sessions: int = _LAUNCH.max_realtime_sessions
+    realtime_idle_timeout_s: float | None = _LAUNCH.realtime_idle_timeout or None
     allowed_origins: tuple[str, ...] = ()
     default_max_tokens: int | None = None
     tool_call_parser: str | None = None

@@ -141,6 +141,11 @@ def add_api_args(api, d: LaunchConfig) -> None:
                           "what a worker accepts (default: %(default)s)")
     api.add_argument("--max-realtime-sessions", type=positive_int, default=d.max_realtime_sessions,
                      help="/v1/realtime sessions open at once; more are closed with code 1013 (default: %(default)s)")
+    api.add_argument("--realtime-idle-timeout", type=non_negative_float, default=d.realtime_idle_timeout,
+                     metavar="SECONDS",
+                     help="close a /v1/realtime session that sends no event for this long while none of its "
+                          "responses or transcriptions runs (an error event, code session_idle_timeout, then "
+                          "close code 1000), freeing its slot; 0: never (default: %(default)s)")
     api.add_argument("--allowed-origins", default=d.allowed_origins,
                      help="comma-separated browser origins (scheme://host[:port], or *) allowed to open /v1/realtime; "
                           "other Origin headers get 403, clients sending none pass (default: none)")

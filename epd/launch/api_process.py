@@ -33,6 +33,7 @@ def api_settings(config: LaunchConfig):
                        media_fetch_timeout_s=config.media_fetch_timeout,
                        max_media_bytes=int(config.max_media_mb * 2**20),
                        max_realtime_sessions=config.max_realtime_sessions, allowed_origins=tuple(origins),
+                       realtime_idle_timeout_s=config.realtime_idle_timeout or None,
                        tool_call_parser=config.tool_call_parser,
                        model_aliases=tuple((config.served_model_name or [])[1:]))
 

@@ -145,6 +145,7 @@ class LaunchConfig:
     max_video_seconds: float = 600.0  # longest video accepted (declared duration)
     max_mm_item_mb: float = 256.0  # one media item's processed tensors; at most the wire's MAX_TENSOR_BYTES
     max_realtime_sessions: int = 64
+    realtime_idle_timeout: float = 600.0  # seconds without a client event that close a realtime session; 0: never
     allowed_origins: str = ""  # comma-separated; none: browsers (which send Origin) are refused on /v1/realtime
     tool_call_parser: str | None = None  # None: detected from the chat template
     served_model_name: list[str] | None = None  # the names clients may ask for; the first is reported
@@ -188,6 +189,8 @@ class LaunchConfig:
             raise LaunchSpecError(f"kv_agents must be one of {KV_AGENTS}, got {self.kv_agents!r}")
         if not self.kv_overlap_weight >= 0:  # also rejects nan
             raise LaunchSpecError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
+        if not self.realtime_idle_timeout >= 0:  # also rejects nan
+            raise LaunchSpecError(f"realtime_idle_timeout must be >= 0 (0: never), got {self.realtime_idle_timeout}")
         if not (self.video_fps > 0 and self.max_video_seconds > 0):  # also rejects nan
             raise LaunchSpecError(f"video_fps and max_video_seconds must be > 0, got {self.video_fps}, "
                                   f"{self.max_video_seconds}")

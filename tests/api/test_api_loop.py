@@ -212,7 +212,7 @@ def test_a_full_cpu_pool_is_a_503_for_chat_and_a_failed_realtime_response(monkey
         tok = build_tiny_tokenizer()
         api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=8, tokenizer=tok, metrics=None,
                               router=SimpleNamespace(has_pool=lambda role: False), processor=text_processor(),
-                              state=ApiState(), max_pending_requests=4,
+                              state=ApiState(), max_pending_requests=4, idle_timeout_s=None,
                               prompt=ConversationPrompt(tok, text_processor(), 64))
         session = RealtimeSession(ws=None, api=api)
 
@@ -275,7 +275,8 @@ def test_realtime_transcription_decodes_audio_off_the_event_loop():
             return ["heard"]
 
     api = SimpleNamespace(router=Router(), processor=SimpleNamespace(modalities={"audio": "transcribe"},
-                                                                     audio_item=probe))
+                                                                     audio_item=probe),
+                          state=ApiState(), max_pending_requests=8)
     events = []
     asr = Transcriber(api, lambda kind, **fields: events.append(kind), CpuPool())
     item = Item("item_1", "user", [Part("input_audio", pcm=np.zeros(4800, np.int16), rate=24000)])
@@ -302,7 +303,8 @@ def test_a_turn_that_ends_at_its_pause_keeps_the_early_transcript():
             return [f"heard {len(clips)}"]
 
     api = SimpleNamespace(router=Router(), processor=SimpleNamespace(
-        modalities={"audio": "transcribe"}, audio_item=lambda a: MediaItem("audio", "h" * 64, {"audio": a[0]}, 0)))
+        modalities={"audio": "transcribe"}, audio_item=lambda a: MediaItem("audio", "h" * 64, {"audio": a[0]}, 0)),
+        state=ApiState(), max_pending_requests=8)
     events = []
     asr = Transcriber(api, lambda kind, **fields: events.append((kind, fields)), CpuPool())
 
@@ -327,7 +329,7 @@ def test_a_turn_that_ends_at_its_pause_keeps_the_early_transcript():
     assert [(k.rsplit(".", 1)[1], f["item_id"], f.get("delta", f.get("transcript"))) for k, f in events] == [
         ("delta", "item_7200", t1), ("completed", "item_7200", t1),
         ("delta", "item_9600", t2), ("completed", "item_9600", t2)]
-    assert asr.early is None and not asr.tasks
+    assert asr.early is None and not asr.jobs and api.state.pending == 0
 
 
 # ---- history truncation: O(log n) renders, the same prompt ----------------------------------------

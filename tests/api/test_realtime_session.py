@@ -18,7 +18,7 @@ NO_TTS = SimpleNamespace(has_pool=lambda role: False)  # a router without a tts 
 
 
 def session() -> RealtimeSession:
-    api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16, router=NO_TTS,
+    api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16, router=NO_TTS, idle_timeout_s=None,
                           processor=SimpleNamespace(modalities={"audio": "embed"}))  # embed: no transcription task
     s = RealtimeSession(ws=None, api=api)
     s.turn_detection = None  # manual commits (server VAD: tests/serving/test_realtime_vad.py)
@@ -104,7 +104,7 @@ def test_server_vad_keeps_only_the_padding_between_turns(monkeypatch):
     """With server VAD (the default) silence never fills the buffer: between turns it
     holds the prefix padding only, and no turn starts."""
     monkeypatch.setattr(realtime, "MAX_BUFFER_SECONDS", 1.0)
-    api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16, router=NO_TTS,
+    api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16, router=NO_TTS, idle_timeout_s=None,
                           processor=SimpleNamespace(modalities={"audio": "embed"}))
     s = RealtimeSession(ws=None, api=api)
     assert s.session_json()["audio"]["input"]["turn_detection"]["type"] == "server_vad"

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from epd.api.completions import ApiState
 from epd.api.realtime.session import RealtimeSession
 from epd.messages import EncodeDone, TokenOutput
 from epd.multimodal import MediaItem
@@ -98,7 +99,7 @@ def _session(router) -> RealtimeSession:
     processor = SimpleNamespace(modalities={"audio": "transcribe"},
                                 audio_item=lambda a: MediaItem("audio", "h" * 64, {"audio": a[0] / 32768.0}, 0))
     api = SimpleNamespace(model_name="m", max_model_len=64, default_max_tokens=16, router=router,
-                          processor=processor)
+                          processor=processor, state=ApiState(), max_pending_requests=8, idle_timeout_s=None)
     return RealtimeSession(ws=None, api=api)
 
 

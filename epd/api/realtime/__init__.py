@@ -76,9 +76,17 @@ the client event at fault). Every malformed, unknown or unsupported event gets a
 close the socket (code 1009).
 
 Limits: at most ``max_realtime_sessions`` sessions at once (one more gets an ``error``
-event, code ``session_limit_reached``, and close code 1013); a response counts toward
-``max_pending_requests`` with the HTTP requests (over it: an ``error`` event, code
-``rate_limit_exceeded``; the session goes on); a client that stops reading its events
+event, code ``session_limit_reached``, and close code 1013); a response, and each audio
+clip being transcribed (an encode job: from its commit, ``conversation.item.create`` or
+``response.create`` until its transcript), count toward ``max_pending_requests`` with the
+HTTP requests, and a session transcribes at most ``MAX_SESSION_TRANSCRIPTIONS`` clips at
+once (over either: an ``error`` event, code ``rate_limit_exceeded``, and the event's work
+is not done: the item is not added, the audio stays buffered; the session goes on).
+Deleting an item stops its transcription (its encode request is aborted), unless the
+response in flight was given it; closing the session stops them all. A session that
+sends no event for ``realtime_idle_timeout_s`` while none of its responses or
+transcriptions runs gets an ``error`` event, code ``session_idle_timeout``, and close code
+1000, freeing its slot (WebSocket pings are not events); a client that stops reading its events
 while ``MAX_OUTBOUND_BYTES`` wait for it is closed with code 1008. The handshake checks
 the API key (1008) and a browser's ``Origin`` header against ``allowed_origins`` (403;
 clients that send none pass). The endpoint (handshake, what sessions share) is
@@ -134,7 +142,7 @@ socket's events, its settings and input audio buffer; the limits ``MAX_BUFFER_SE
 socket's bounded outbound queue), ``protocol`` (client event shapes and field checks;
 ``MAX_APPEND_BYTES``, ``MIN_COMMIT_MS``), ``conversation`` (items, parts, responses),
 ``prompt`` (items -> router request), ``responses`` (the response task, speech out),
-``transcribe`` (speech -> text in the E pool), ``tools`` (function calling),
+``transcribe`` (speech -> text in the E pool; ``MAX_SESSION_TRANSCRIPTIONS``), ``tools`` (function calling),
 ``segmenter`` (TTS-ready phrases), ``vad`` (server VAD), ``audio_formats`` (PCM16, G.711).
 """
 

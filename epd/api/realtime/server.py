@@ -38,8 +38,8 @@ class RealtimeAPI:
         max_model_len: context length; conversations past it drop their oldest items.
         default_max_tokens: ``max_output_tokens`` of a new session.
         settings: ``api_key`` (the handshake needs ``Authorization: Bearer <key>``),
-            ``max_realtime_sessions``, ``allowed_origins``, ``max_pending_requests``
-            (default: ``ApiSettings()``).
+            ``max_realtime_sessions``, ``allowed_origins``, ``max_pending_requests``,
+            ``realtime_idle_timeout_s`` (default: ``ApiSettings()``).
         state: the requests in flight, shared with the HTTP routes (default: a new one).
         metrics: ``epd.metrics.Metrics`` for TTFT / ITL / cancelled counts (or None).
         vocab_size: the model's logits width, for the grammar engine that checks tools
@@ -59,6 +59,7 @@ class RealtimeAPI:
         self.api_key, self.metrics = settings.api_key, metrics
         self.max_sessions, self.allowed_origins = settings.max_realtime_sessions, settings.allowed_origins
         self.max_pending_requests, self.state = settings.max_pending_requests, state or ApiState()
+        self.idle_timeout_s = settings.realtime_idle_timeout_s
         self.prompt = ConversationPrompt(tokenizer, processor, max_model_len, tool_parser=settings.tool_call_parser,
                                          vocab_size=vocab_size)
         self.sessions: set[RealtimeSession] = set()

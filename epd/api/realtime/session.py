@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from epd.api.cpu_pool import shared_pool
 from epd.api.protocol import invalid_field
 from epd.api.realtime.audio_formats import PCM, AudioFormat
-from epd.api.realtime.connection import EventChannel
+from epd.api.realtime.connection import IDLE, EventChannel
 from epd.api.realtime.conversation import Item, Part, ResponseState, parse_item, truncated_transcript
 from epd.api.realtime.protocol import (
     DEFAULT_RATE,
@@ -106,8 +106,9 @@ class RealtimeSession:
         self.idle_from_ms: float | None = None  # input time the idle timeout counts from (after a response)
         self.cpu = shared_pool()
         self.active: ResponseState | None = None
-        self.channel = EventChannel(ws, MAX_OUTBOUND_BYTES)
-        self.asr = Transcriber(api, self.emit)
+        self.channel = EventChannel(ws, MAX_OUTBOUND_BYTES, api.idle_timeout_s,
+                                    busy=lambda: self.active is not None or bool(self.asr.jobs))
+        self.asr = Transcriber(api, self.emit, on_end=self.channel.touch)
 
     @property
     def out(self) -> asyncio.Queue:
@@ -152,13 +153,21 @@ class RealtimeSession:
 
     # ---- the socket --------------------------------------------------------------------
     async def run(self) -> None:
-        """Serve the socket (already accepted) until the client closes it, or stops
-        reading (closed with code 1008); then cancel the response in flight (aborting it
-        on every worker) and pending transcriptions."""
+        """Serve the socket (already accepted) until the client closes it, stops reading
+        (closed with code 1008), or sends no event for ``api.idle_timeout_s`` while no
+        response or transcription runs (an ``error`` event, code ``session_idle_timeout``,
+        then close code 1000); then cancel the response in flight (aborting it on every
+        worker) and pending transcriptions."""
         writer = asyncio.create_task(self.channel.write())
+        close_code, reason = None, ""
         try:
             self.emit("session.created", session=self.session_json())
             while (msg := await self.channel.receive()) is not None and msg["type"] != "websocket.disconnect":
+                if msg is IDLE:
+                    close_code, reason = 1000, f"idle for {self.channel.idle_timeout_s:g} s"
+                    self.emit_error(f"no client event for {self.channel.idle_timeout_s:g} s; the session is closed",
+                                    code="session_idle_timeout")
+                    break
                 raw = msg.get("text")
                 if raw is None and msg.get("bytes") is not None:
                     raw = msg["bytes"].decode("utf-8", errors="replace")
@@ -170,7 +179,7 @@ class RealtimeSession:
             if self.channel.closing:  # what the session holds goes now, not when the socket is gone
                 self.items.clear()
                 self.buffer.clear()
-            await self.channel.finish(writer)
+            await self.channel.finish(writer, close_code, reason)
 
     async def handle(self, raw: str) -> None:
         """Parse and run one client event; any problem becomes an ``error`` event."""
@@ -372,16 +381,17 @@ class RealtimeSession:
         if self.active is not None:  # barge-in: the user spoke over the answer
             await self.cancel_active("turn_detected")
         data = bytes(self.buffer)
-        self.buffer.clear()  # its bytes move into the item
         item = Item(item_id, "user", [Part("input_audio", pcm=pcm_array(data), rate=self.rate)])
+        self.asr.start(item, early_ms)  # ClientError over a transcription limit: the audio stays buffered
+        self.buffer.clear()  # its bytes move into the item
         try:
             prev = self.insert(item, None)
         except ClientError:
+            self.asr.cancel(item)
             self.buffer += data  # not committed: the audio stays in the buffer
             raise
         self.emit("input_audio_buffer.committed", item_id=item.id, previous_item_id=prev)
         self.emit_item_added(item, prev)
-        self.asr.start(item, early_ms)
 
     async def on_clear(self, ev: LooseEvent) -> None:
         self.buffer.clear()
@@ -428,9 +438,13 @@ class RealtimeSession:
 
     async def on_item_create(self, ev: ItemCreate) -> None:
         item = parse_item(ev.item, "item", self.rate)
-        prev = self.insert(item, ev.previous_item_id)
+        self.asr.start(item)  # ClientError over a transcription limit: the item is not added
+        try:
+            prev = self.insert(item, ev.previous_item_id)
+        except ClientError:
+            self.asr.cancel(item)
+            raise
         self.emit_item_added(item, prev)
-        self.asr.start(item)
 
     async def on_item_retrieve(self, ev: ItemRetrieve) -> None:
         item = next((it for it in self.items if it.id == ev.item_id), None)
@@ -466,11 +480,15 @@ class RealtimeSession:
                   audio_end_ms=ev.audio_end_ms)
 
     async def on_item_delete(self, ev: ItemDelete) -> None:
+        """Delete an item; its transcription stops (its encode request is aborted) unless the
+        response in flight was given the item."""
         for i, it in enumerate(self.items):
             if it.id == ev.item_id:
                 if self.active is not None and self.active.item is it:
                     raise ClientError("the item is being generated; cancel the response first", "item_id")
                 del self.items[i]
+                if self.active is None or all(x is not it for x in self.active.items):
+                    self.asr.cancel(it)
                 self.emit("conversation.item.deleted", item_id=it.id)
                 return
         raise ClientError(f"item {ev.item_id!r} is not in the conversation", "item_id", "item_not_found")
@@ -505,6 +523,7 @@ class RealtimeSession:
         tools = (self.tools if "tools" not in sent and "tool_choice" not in sent else
                  await self._tools(r.tools if "tools" in sent else self.tools.tools,
                                    r.tool_choice if "tool_choice" in sent else self.tools.choice, "response"))
+        new_items: list[Item] = []  # response.input's own items
         if r.input is not None:
             items = []
             for i, raw in enumerate(r.input):
@@ -520,9 +539,8 @@ class RealtimeSession:
                     except ValidationError as e:
                         raise ClientError(f"invalid response.input.{i}: {e.errors()[0].get('msg')}",
                                           f"response.input.{i}") from None
-                    item = parse_item(parsed, f"response.input.{i}", self.rate)
-                    self.asr.start(item)
-                    items.append(item)
+                    new_items.append(parse_item(parsed, f"response.input.{i}", self.rate))
+                    items.append(new_items[-1])
         else:
             items = list(self.items)
         instructions = r.instructions if "instructions" in r.model_fields_set else self.instructions
@@ -530,17 +548,21 @@ class RealtimeSession:
             raise ClientError("nothing to respond to: the conversation is empty and there are no instructions "
                               "(add an item, commit audio or set instructions first)",
                               "response.input" if r.input is not None else None, "conversation_empty")
+        failed = self.asr.failed(items)  # transcribed again, as new_items are: encode jobs, admitted with the response
+        self.asr.check(self.asr.jobs_for(new_items) + len(failed), more=1)
         release = self.api.state.admit(self.api.max_pending_requests)  # counted with the HTTP requests
         if release is None:
             raise ClientError(f"too many requests in flight ({self.api.max_pending_requests}); retry later", None,
                               "rate_limit_exceeded", "rate_limit_error")
-        self.asr.retry_failed(items)
+        for item in new_items:
+            self.asr.start(item)
+        self.asr.retry(failed)
         resp = ResponseState(new_id("resp"), items, instructions, max_tokens, temperature, r.metadata,
                              r.conversation != "none", modalities, voice, fmt, tools.plan)
         self.active = resp
         self.emit("response.created", response=resp.to_json(self.conversation_id))
         resp.task = asyncio.create_task(ResponseStream(self, resp).run())
-        resp.task.add_done_callback(lambda _: release())  # even when cancelled before it ran
+        resp.task.add_done_callback(lambda _: (release(), self.channel.touch()))  # even when cancelled before it ran
 
     async def on_response_cancel(self, ev: ResponseCancel) -> None:
         if self.active is None:
