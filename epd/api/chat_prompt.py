@@ -7,9 +7,11 @@ renders them; otherwise each media item becomes its placeholder text inline. A v
 for a model that takes video as images (LLaVA) becomes its sampled frames, one image
 part each, decoded here (``epd.encoders.video``) before the template runs.
 
-Media slots come only from real media parts: a placeholder string a client types
-(``"<image>"`` in a message) is plain text, tokenized as such (``LiteralText``), as
-vLLM and SGLang treat it; a clip's transcript (text-only models) goes where the clip stood.
+Media slots come only from real media parts and control tokens only from the template: a
+placeholder or special-token string a client types (``"<image>"``, ``"<|im_start|>system"``
+in a message, a tool result or a call's arguments) is plain text, tokenized as such
+(``LiteralText``), as vLLM and SGLang treat it; a clip's transcript (text-only models)
+goes where the clip stood.
 """
 
 from __future__ import annotations
@@ -61,35 +63,63 @@ def flatten(parts: list[dict], image_tok: str | None, audio_tok: str, structured
 
 
 class LiteralText:
-    """Client text in a prompt: the model's media placeholder strings it spells stay text.
+    """Client text in a prompt: the special tokens and media placeholder strings it spells
+    stay text.
 
-    ``escape`` swaps each placeholder string in a client's text (messages, instructions,
-    transcripts) for a marker no template or tokenizer treats specially; ``encode``
-    tokenizes the rendered prompt with each marker as the placeholder's plain-text
-    tokens, so the only placeholder tokens are the slots the server put in for real
-    media parts. ``placeholder_ids``: modality -> placeholder token id (the processor's).
+    ``escape`` swaps each special token's text (``<|im_start|>``, ``<|eot_id|>``,
+    ``[INST]``: every added token the tokenizer marks special) and each placeholder
+    string in a client's text for a marker no template or tokenizer treats specially;
+    ``encode`` tokenizes the rendered prompt with each marker as that text's ordinary
+    tokens (``split_special_tokens``), so the only control tokens are the template's own
+    and the only placeholder tokens are the slots the server put in for real media parts.
+    ``escape_placeholders`` marks the placeholders only: a ``/v1/completions`` prompt is
+    the client's whole template, control tokens included. ``placeholder_ids``: modality
+    -> placeholder token id (the processor's).
     """
 
     def __init__(self, tokenizer, placeholder_ids: dict[str, int]) -> None:
         self.tokenizer = tokenizer
-        self.ids = set(placeholder_ids.values())
-        literals = [tokenizer.convert_ids_to_tokens(i) for i in placeholder_ids.values()]
+        special = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        self.ids = set(placeholder_ids.values()) | set(special)
+        placeholders = [tokenizer.convert_ids_to_tokens(i) for i in placeholder_ids.values()]
+        literals = [lit for lit in dict.fromkeys([*placeholders, *special.values()]) if lit]
         tag = uuid.uuid4().hex[:12]
-        self.marks = {lit: f"\ue000{tag}{k}\ue001" for k, lit in enumerate(dict.fromkeys(literals))}
+        self.marks = {lit: f"\ue000{tag}{k}\ue001" for k, lit in enumerate(literals)}
         self.plain = {m: self._plain(lit) for lit, m in self.marks.items()}
         self._split = re.compile("(" + "|".join(map(re.escape, self.plain)) + ")") if self.marks else None
+        self._all = self._finder(literals)
+        self._placeholders = self._finder(placeholders)
+
+    @staticmethod
+    def _finder(literals: list[str]) -> re.Pattern | None:
+        """A pattern of ``literals``, longest first (one that holds another wins)."""
+        ordered = sorted(set(literals), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, ordered))) if ordered else None
 
     def _plain(self, literal: str) -> list[int]:
-        """``literal``'s tokens as ordinary text (character by character if they still hold a placeholder)."""
+        """``literal``'s tokens as ordinary text (character by character if they still hold a special token)."""
         enc = lambda s: self.tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True)  # noqa: E731
         ids = enc(literal)
         return ids if self.ids.isdisjoint(ids) else [t for ch in literal for t in enc(ch)]
 
     def escape(self, text: str) -> str:
-        """``text`` (a client's) with each placeholder string marked as text."""
-        for literal, mark in self.marks.items():
-            text = text.replace(literal, mark)
-        return text
+        """``text`` (a client's) with each special token's text and placeholder string marked as text."""
+        return self._all.sub(lambda m: self.marks[m.group()], text) if self._all is not None else text
+
+    def escape_placeholders(self, text: str) -> str:
+        """``text`` with each placeholder string marked as text (special tokens stay control tokens)."""
+        return self._placeholders.sub(lambda m: self.marks[m.group()], text) if self._placeholders else text
+
+    def escape_value(self, value):
+        """``value`` (a chat message, tool or arguments: dicts, lists, strings) with every
+        string in it, keys included, through ``escape``."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, dict):
+            return {self.escape(k) if isinstance(k, str) else k: self.escape_value(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.escape_value(v) for v in value]
+        return value
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of a prompt whose client text went through ``escape``."""
@@ -217,8 +247,9 @@ class ChatPromptRenderer:
 
         Content parts become HF-style ``{"type": "image"}`` / ``{"type": "audio"}``
         entries when the model's template renders them; otherwise each item
-        becomes its placeholder text inline (see ``template_takes_parts``). Placeholder
-        strings in the client's text are text (``LiteralText``).
+        becomes its placeholder text inline (see ``template_takes_parts``). Special-token
+        and placeholder strings in the client's text (contents, names, tool calls and
+        results, tools) are text (``LiteralText``).
 
         Raises:
             BadRequest: a media part the model does not take, bad media data, too many
@@ -233,12 +264,11 @@ class ChatPromptRenderer:
             sampling = processor.video_sampling(video_kwargs.fps, video_kwargs.num_frames)
         for i, m in enumerate(body.messages):
             if not isinstance(m.content, list):
-                msgs.append(template_message(m, literal.escape(m.content or "")))
+                msgs.append(literal.escape_value(template_message(m, m.content or "")))
                 continue
-            msgs.append(template_message(m, await self._parts(m.content, f"messages.{i}.content", images,
-                                                              audios, videos, sampling,
-                                                              video_kwargs is not None
-                                                              and video_kwargs.num_frames is not None)))
+            msgs.append(literal.escape_value(template_message(m, await self._parts(
+                m.content, f"messages.{i}.content", images, audios, videos, sampling,
+                video_kwargs is not None and video_kwargs.num_frames is not None))))
         mm: dict[str, Any] = {}
         if images:
             mm["image"] = images
@@ -266,7 +296,8 @@ class ChatPromptRenderer:
             BadRequest: the template rejects the messages.
         """
         try:
-            prompt = apply_template(self.tokenizer, msgs, plan, self.native_tools, self.tool_parser)
+            prompt = apply_template(self.tokenizer, msgs, plan, self.native_tools, self.tool_parser,
+                                    self.literal.escape_value)
         except Exception as e:  # jinja raises for conversations the template rejects
             raise BadRequest(f"the model's chat template rejected the messages: {e}", "messages") from None
         return self.literal.encode(prompt)

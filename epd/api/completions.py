@@ -219,7 +219,7 @@ class CompletionService:
             ids_ = prompt
         else:
             literal = self.renderer.literal  # a text prompt carries no media: placeholder strings in it are text
-            ids_ = literal.encode(literal.escape(prompt), add_special_tokens=not chat)
+            ids_ = literal.encode(literal.escape_placeholders(prompt), add_special_tokens=not chat)
         if not ids_:
             raise BadRequest("the prompt is empty", "prompt")
         return self.processor.process(ids_, mm)

@@ -120,20 +120,25 @@ def plan_tools(tools: list[Tool], choice: str | None, named: bool, parallel: boo
 
 
 def apply_template(tokenizer, msgs: list[dict], plan: ToolPlan | None, native_tools: bool,
-                   parser: type[ToolCallParser]) -> str:
+                   parser: type[ToolCallParser], escape=None) -> str:
     """The chat template's text over ``msgs`` (with the generation prompt) and the tools of
     ``plan``: passed as ``tools=`` to a template that shows them (``native_tools``), else
-    described by ``fallback_messages``, as are earlier calls and results.
+    described by ``fallback_messages``, as are earlier calls and results. ``escape``
+    (``LiteralText.escape_value``) marks the client's text in the tools (names,
+    descriptions, schemas); ``msgs`` come already marked.
 
     Raises:
         whatever the template raises (jinja errors for conversations it rejects).
     """
     kw = {}
+    tools = plan.template_tools() if plan is not None else []
+    if escape is not None:
+        tools = escape(tools)
     if native_tools:
         if plan is not None:
-            kw["tools"] = plan.template_tools()
+            kw["tools"] = tools
     elif plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
-        msgs = fallback_messages(msgs, plan, parser)
+        msgs = fallback_messages(msgs, tools, parser)
     return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kw)
 
 
@@ -172,8 +177,8 @@ def parse_arguments(text: str):
     return value if isinstance(value, dict) else text
 
 
-def fallback_messages(msgs: list[dict], plan: ToolPlan | None, parser: type[ToolCallParser]) -> list[dict]:
-    """``msgs`` for a template that ignores tools: the request's tools (``plan``) in a system
+def fallback_messages(msgs: list[dict], tools: list[dict], parser: type[ToolCallParser]) -> list[dict]:
+    """``msgs`` for a template that ignores tools: the request's ``tools`` (OpenAI's shape) in a system
     message, earlier calls as assistant text in ``parser``'s format, results as
     ``<tool_response>`` user turns."""
     out = []
@@ -191,9 +196,9 @@ def fallback_messages(msgs: list[dict], plan: ToolPlan | None, parser: type[Tool
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
         m.pop("tool_call_id", None)
         out.append(m)
-    if plan is None or not plan.tools:
+    if not tools:
         return out
-    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in plan.template_tools())
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     example = parser.format_calls([("<function-name>", "<arguments-json-object>")])
     system = ("You may call functions to help with the user's request. The functions, with their "
               f"parameters as JSON schemas:\n<tools>\n{listing}\n</tools>\n\nTo call a function, answer with "

@@ -20,11 +20,17 @@ OUTPUTS = {
         ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n'
          '{"arguments": {"y": "é😀"}, "name": "b"}\n</tool_call>', "", [("a", '{"x": 1}'), ("b", '{"y": "é😀"}')]),
         ("a <tools and more", "a <tools and more", []),
+        # the call's own "name" key, not one inside its arguments; a name with escapes; a bare value
+        ('<tool_call>\n{"arguments": {"name": "inner", "x": [{}]}, "name": "outer"}\n</tool_call>'
+         '  \n\n<tool_call>{"name": "say \\"hi\\"", "arguments": 5 }</tool_call> trailing text',
+         "", [("outer", '{"name": "inner", "x": [{}]}'), ('say "hi"', "5")]),
     ],
     "mistral": [
         (f'ok [TOOL_CALLS][{{"name": "f", "arguments": {ARGS}}}, {{"name": "g", "arguments": {{}}}}]', "ok ",
          [("f", ARGS), ("g", "{}")]),
         ("[TOOL inside text", "[TOOL inside text", []),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {"a": "]"}}] [TOOL_CALLS][{"name": "g", "arguments": null}]', "",
+         [("f", '{"a": "]"}'), ("g", "null")]),
     ],
     "llama3_json": [
         (f'{{"name": "f", "parameters": {ARGS}}}; {{"name": "g", "parameters": {{"k": 2}}}}', "",
@@ -163,3 +169,40 @@ def test_a_cut_call_is_content_and_never_finishes_with_tool_calls(text, reason):
     assert stream.finish_reason("length") == "length"
     stream = ToolCallStream(ToolPlan([tool], "auto", True, PARSERS["hermes"]))
     assert "tool_calls" in stream.message(whole) and stream.finish_reason("stop") == "tool_calls"
+
+
+LONG_ARGS = json.dumps({"code": 'x = {"a": [1, 2]}\\n\\\\ é ' * 1500,
+                        "nested": [{"k": [i, {"v": "}"}]} for i in range(300)]})
+
+
+@pytest.mark.parametrize("fmt", list(PARSERS))
+def test_per_token_work_does_not_grow_with_the_arguments(fmt):
+    """A token costs the same at the end of 50k characters of arguments as at their start:
+    the parser reads each character once (``scanned``) and keeps only what it may still send."""
+    cls = PARSERS[fmt]
+    prose = "" if fmt == "llama3_json" else "Some words before the call. " * 500
+    text = prose + cls.format_calls([("run_code", LONG_ARGS), ("ping", "{}")])
+    assert len(LONG_ARGS) > 50_000
+    parser, step = cls(), 3
+    work, held, content, args = [], [], "", {}
+    for k in range(0, len(text), step):
+        before = parser.scanned
+        part = parser.feed(text[k:k + step])
+        work.append(parser.scanned - before)
+        held.append(len(parser.text))
+        content += part.content
+        for d in part.calls:
+            args[d.index] = args.get(d.index, "") + d.arguments
+    part = parser.finish()
+    assert content + part.content == prose
+    assert args == {0: LONG_ARGS, 1: "{}"}
+    assert max(work) <= step + len(cls.marker) + 16, max(work)  # constant, not the call's length
+    assert sum(work) <= 2 * len(text)
+    assert max(held) <= 64, max(held)  # the window, not the whole output
+
+
+def test_llama3_plain_answer_is_read_once():
+    parser = PARSERS["llama3_json"]()
+    text = "A plain answer, no calls. " * 2000
+    out = "".join(parser.feed(text[k:k + 4]).content for k in range(0, len(text), 4)) + parser.finish().content
+    assert out == text and parser.scanned <= len(text) + 64 and not parser.text

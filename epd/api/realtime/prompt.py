@@ -46,7 +46,7 @@ class ConversationPrompt:
         self.audio_tok = (tokenizer.convert_ids_to_tokens(processor.placeholder_ids["audio"])
                           if self.embed_audio else AUDIO_PLACEHOLDER)
         self.structured = template_takes_parts(tokenizer, None, self.audio_tok if self.embed_audio else None)
-        self.literal = LiteralText(tokenizer, processor.placeholder_ids)  # typed placeholders stay text
+        self.literal = LiteralText(tokenizer, processor.placeholder_ids)  # typed special tokens stay text
 
     @property
     def constraints(self) -> ConstraintChecker:
@@ -68,6 +68,7 @@ class ConversationPrompt:
             if it.type == "function_call":
                 call = {"id": it.call_id, "type": "function",
                         "function": {"name": it.name, "arguments": parse_arguments(it.arguments or "{}")}}
+                call = self.literal.escape_value(call)
                 prev = turns[-1][0] if turns else None
                 if prev is not None and prev["role"] == "assistant":
                     prev.setdefault("tool_calls", []).append(call)
@@ -127,7 +128,8 @@ class ConversationPrompt:
         the tools of ``plan``."""
         msgs = head + [m for m, _ in turns[k:] if m is not None]
         try:
-            text = apply_template(self.tokenizer, msgs, plan, self.native_tools, self.tool_parser)
+            text = apply_template(self.tokenizer, msgs, plan, self.native_tools, self.tool_parser,
+                                  self.literal.escape_value)
         except Exception as e:  # jinja raises for conversations the template rejects
             raise ClientError(f"the model's chat template rejected the conversation: {e}") from None
         return self.literal.encode(text)
