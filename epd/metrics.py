@@ -96,6 +96,7 @@ QUEUED_PROMPT_TOKENS = "epd_queued_prompt_tokens"
 KV_FENCED_BLOCKS = "epd_kv_fenced_blocks"
 ROUTER_REQUESTS = "epd_router_requests"
 POOL_INSTANCES = "epd_pool_instances"
+AUTH_DENIED = "epd_auth_denied_total"
 
 
 def _family(counter: str) -> str:
@@ -157,6 +158,11 @@ class Metrics:
             label ``policy`` (the pool's routing policy: kv, free-kv, media-affinity,
             least-loaded, round-robin; ``video-split``: an encoder sent a chunk of a long
             video besides the policy's pick); ``epd_routing_decisions_total``.
+        auth_denied: CURVE handshakes this process's ZAP handler refused: a client key
+            that is not the other side's (a member key at a worker's command socket,
+            the router key or a stranger's at the router's inbox); ``pool="router"``
+            for the router's inbox. ZeroMQ retries a refused handshake, so one
+            persistent client counts many times.
 
     Gauges (``livemax``: the value of the instance's live processes, see below):
         kv_cache_usage_ratio: used / total KV blocks of the instance, 0..1.
@@ -219,6 +225,7 @@ class Metrics:
     encoder_cache_queries: object
     encoder_cache_hits: object
     encode_video_chunks: object
+    auth_denied: object
     routing_decisions: object
     kv_cache_usage_ratio: object
     queue_depth: object
@@ -283,6 +290,8 @@ _COUNTERS = {
     "encoder_cache_hits": (_family(ENCODER_HITS), "Multimodal items found in the encoder cache"),
     "encode_video_chunks": (_family(ENCODE_VIDEO_CHUNKS), "Chunks of temporal patches of a video an encode worker was "
                             "sent (a video split across encoders)"),
+    "auth_denied": (_family(AUTH_DENIED), "CURVE handshakes refused: a client key that is not the other side's "
+                    "(only the router's key may command a worker; only the member key may report to the router)"),
 }
 # field -> (metric name, help, multiprocess_mode); see Metrics for the choice of mode
 _GAUGES = {

@@ -45,7 +45,7 @@ class Mailbox:
         handlers: message type -> callable, for the control messages.
         count: ``count(metric, pool, instance)`` increments a counter of ``epd.metrics``.
         on_dead: called with each worker handle the moment it is found dead.
-        keys: the cluster's CURVE keys (``epd.cluster_auth.ClusterKeys``), or None.
+        keys: the router's CURVE keys (``epd.cluster_auth.ClusterKeys``, side ``ROUTER``), or None.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, host: str, port: int, registry: PoolRegistry,
@@ -53,7 +53,7 @@ class Mailbox:
                  on_dead: Callable[[WorkerHandle], None] | None = None, keys=None) -> None:
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, 100000)
-        if keys is not None:  # a CURVE server: only cluster members get a message in
+        if keys is not None:  # a CURVE server: only holders of the member key get a message in
             keys.server(self.pull)
         zhost = f"[{host}]" if ":" in host and not host.startswith("[") else host
         if port:

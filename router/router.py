@@ -79,13 +79,15 @@ class Router:
         video_encode_split: "auto" (a long Qwen-VL video is encoded in chunks of temporal
             patches over the encode pool's live instances, ``epd.router.encode_split``) or
             "off" (a request's items all go to one encoder).
-        keys: the cluster's CURVE keys (``epd.cluster_auth``): every socket authenticated
-            and encrypted. None: no authentication, which only a loopback ``host`` allows.
+        keys: the router's side of the cluster's CURVE keys (``epd.cluster_auth``, side
+            ``ROUTER``): every socket authenticated and encrypted, the inbox admitting only
+            the member key. None: no authentication, which only a loopback ``host`` allows.
         model: ``epd.models.checkpoints.model_fingerprint`` of the served checkpoint: a worker
             reporting another one is refused for good ("": not checked).
 
     Raises:
         ClusterKeysError: ``host`` is not loopback and ``keys`` is None.
+        ValueError: ``keys`` are a member's, not the router's.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, stage_timeout_s: float = 120.0,
@@ -94,7 +96,7 @@ class Router:
                  prefill_routing: str | None = None, decode_routing: str | None = None,
                  kv_overlap_weight: float = 1.0, keys: ClusterKeys | None = None, model: str = "",
                  video_encode_split: str = "auto") -> None:
-        from epd.cluster_auth import require_keys
+        from epd.cluster_auth import ROUTER, require_keys
 
         check_policy(max_retries, kv_failure_policy)
         if video_encode_split not in VIDEO_ENCODE_SPLITS:
@@ -103,7 +105,11 @@ class Router:
         self._metrics = None
         self.epoch = secrets.randbits(63) or 1  # this router process; workers re-join a new one
         self.ctx = zmq.asyncio.Context()
-        self._auth = keys.start_authenticator(self.ctx) if keys is not None else None
+        if keys is not None and keys.side != ROUTER:
+            raise ValueError(f"the router needs the {ROUTER} keys (load_keys(dir, ROUTER)), got the {keys.side} keys")
+        # the inbox admits the member key only; the router's own key commands the workers
+        self._auth = (keys.start_authenticator(self.ctx, lambda: self._count("auth_denied", "router", "router"))
+                      if keys is not None else None)
         self.registry = PoolRegistry(self.ctx, heartbeat_timeout_s, keys=keys, epoch=self.epoch, model=model)
         self.mailbox = Mailbox(self.ctx, host, port, self.registry, {
             Heartbeat: self.registry.heartbeat, WorkerReady: self._on_ready, Draining: self.registry.draining,

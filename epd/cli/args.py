@@ -106,6 +106,9 @@ def add_api_args(api, d: LaunchConfig) -> None:
     """The HTTP front end's key, limits and names, into group ``api``; defaults from ``d``."""
     api.add_argument("--api-key", default=d.api_key,
                      help="require 'Authorization: Bearer KEY' on /v1 requests (default: $EPD_API_KEY, else none)")
+    api.add_argument("--require-api-key", action="store_true", default=d.require_api_key,
+                     help="refuse to start without an API key (--api-key or a non-empty $EPD_API_KEY), so the API "
+                          "is never open by mistake (the Kubernetes manifests set it)")
     api.add_argument("--max-body-mb", type=float, default=d.max_body_mb,
                      help="largest request body in MiB; larger ones get 413 (default: %(default)s)")
     api.add_argument("--max-inflight-body-mb", type=positive_float, default=d.max_inflight_body_mb,

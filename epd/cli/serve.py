@@ -40,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """``epd serve``: the router and the API only; workers join with ``epd worker``."""
     import asyncio
 
-    from epd.cluster_auth import load_keys, require_keys
+    from epd.cluster_auth import ROUTER, load_keys, require_keys
     from epd.launch.api_process import serve
     from epd.launch.ports import check_port_free
     from epd.launch.spec import parse_pools
@@ -48,7 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     config = LaunchConfig.from_args(args)
-    require_keys(config.router_host, load_keys(config.cluster_keys), "router's control socket", "--router-host")
+    require_keys(config.router_host, load_keys(config.cluster_keys, ROUTER), "router's control socket", "--router-host")
     min_pools = dict(parse_pools(config.pools))
     http_socket = check_port_free(config.host, config.port, keep=True)
     check_port_free(config.router_host, config.router_port, flag="--router-port")

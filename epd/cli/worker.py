@@ -107,7 +107,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from epd.cluster_auth import load_keys, require_keys
+    from epd.cluster_auth import MEMBER, load_keys, require_keys
     from epd.workers import WorkerArgs, run_worker
 
     for name, env in (("instance_id", "EPD_INSTANCE_ID"), ("router", "EPD_ROUTER")):
@@ -119,7 +119,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
               "TP ranks on other hosts are not supported", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {args.instance_id} %(levelname)s %(message)s")
-    keys = load_keys(args.cluster_keys)
+    keys = load_keys(args.cluster_keys, MEMBER)
     require_keys(args.advertise_host, keys, "worker's command socket", "--advertise-host")
     _set_ucx_devices(args.advertise_host, args.ucx_net_devices)
     engine_kwargs = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))

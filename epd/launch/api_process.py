@@ -19,13 +19,28 @@ from epd.roles import Role
 logger = logging.getLogger(__name__)
 
 
+def api_key(config: LaunchConfig) -> str | None:
+    """The API key: ``config.api_key``, else ``$EPD_API_KEY``; None when neither is set (or empty).
+
+    Raises:
+        LaunchSpecError: ``config.require_api_key`` and no key.
+    """
+    key = config.api_key or os.environ.get("EPD_API_KEY") or None
+    if key is None and config.require_api_key:
+        from epd.launch.spec import LaunchSpecError
+
+        raise LaunchSpecError("--require-api-key: no API key given, so the API would serve anyone. Pass --api-key "
+                              "KEY or set $EPD_API_KEY (on Kubernetes: the Secret epd-api-key, deploy/README.md)")
+    return key
+
+
 def api_settings(config: LaunchConfig):
     """``ApiSettings`` from ``epd launch``'s API flags; the key falls back to ``$EPD_API_KEY``."""
     from epd.api.server import ApiSettings
 
     domains = [d for d in config.allowed_media_domains.split(",") if d.strip()]
     origins = [o.strip() for o in config.allowed_origins.split(",") if o.strip()]
-    return ApiSettings(api_key=config.api_key or os.environ.get("EPD_API_KEY") or None,
+    return ApiSettings(api_key=api_key(config),
                        max_body_bytes=int(config.max_body_mb * 2**20),
                        max_inflight_body_bytes=int(config.max_inflight_body_mb * 2**20),
                        max_pending_requests=config.max_pending_requests,
@@ -54,16 +69,18 @@ async def serve(config: LaunchConfig, model_dir: Path, t0: float, *, plan=None, 
 
     Raises:
         ClusterKeysError: a non-loopback router address without keys, or unreadable keys.
+        LaunchSpecError: ``config.require_api_key`` without an API key.
     """
     from epd import metrics
-    from epd.cluster_auth import load_keys
+    from epd.cluster_auth import ROUTER, load_keys
     from epd.launch.supervisor import supervise
     from epd.models.checkpoints import model_fingerprint
     from epd.router.router import Router
 
+    api_key(config)  # --require-api-key: refuse before anything starts
     metrics.setup_multiprocess_dir()
     with contextlib.ExitStack() as cleanup:
-        keys = load_keys(_cluster_keys_dir(config, plan is not None, cleanup))
+        keys = load_keys(_cluster_keys_dir(config, plan is not None, cleanup), ROUTER)
         router = Router(host=config.router_host, port=config.router_port, stage_timeout_s=config.stage_timeout,
                         token_timeout_s=config.token_timeout, max_retries=config.max_retries,
                         kv_failure_policy=config.kv_failure_policy, encode_routing=config.encode_routing,

@@ -133,6 +133,7 @@ class LaunchConfig:
     max_worker_restarts: int = 5
     # OpenAI API
     api_key: str | None = None  # None: $EPD_API_KEY, else none
+    require_api_key: bool = False  # refuse to start without an API key (flag or $EPD_API_KEY)
     max_body_mb: float = 64.0
     max_inflight_body_mb: float = 256.0  # bytes of request bodies being read at once (503 past it)
     max_pending_requests: int = 256

@@ -2,7 +2,8 @@
 
 A worker binds one ZeroMQ PULL socket for commands on its advertised address
 (loopback by default) and pushes everything it reports to the router's PULL
-socket; with cluster keys both are CURVE-authenticated (``epd.cluster_auth``).
+socket; with cluster keys both are CURVE-authenticated (``epd.cluster_auth``): the
+command socket admits the router's key only, and the worker reports with the member key.
 Messages are the typed structs of ``epd.messages`` (msgpack, never pickle). The
 loop is single threaded: drain commands, poll NIXL, run one engine step when
 there is work, send a heartbeat every ``HEARTBEAT_S``.
@@ -120,7 +121,8 @@ class BaseWorker:
             except (OSError, RuntimeError) as e:
                 logger.warning("no thread budget (%s): torch keeps its default threads", e)
         self.ctx = zmq.Context()
-        self._auth = args.keys.start_authenticator(self.ctx) if args.keys is not None else None
+        self._auth = (args.keys.start_authenticator(self.ctx, self._count_denied) if args.keys is not None
+                      else None)  # admits the router's key only: no other member can command this worker
         self.cmd = self.ctx.socket(zmq.PULL)
         if args.keys is not None:
             args.keys.server(self.cmd)
@@ -169,6 +171,12 @@ class BaseWorker:
             from epd.workers.health_server import HealthServer
 
             self._http = HealthServer(self, args.host, args.http_port)
+
+    def _count_denied(self) -> None:
+        """A CURVE client that is not the router was refused at the command socket (ZAP thread)."""
+        from epd.metrics import get_metrics
+
+        get_metrics().auth_denied.labels(pool=self.role, instance=self.instance_id).inc()
 
     # ---- messaging --------------------------------------------------------------
     def router_socket(self) -> zmq.Socket:

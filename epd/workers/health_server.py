@@ -9,7 +9,10 @@
 
 Served by the standard library's threading HTTP server on a daemon thread, bound
 to the worker's advertised address. It exposes no control: nothing it receives
-reaches the worker loop.
+reaches the worker loop. Each connection is served by a thread of its own, so their
+number is bounded: at most ``MAX_CONNECTIONS`` at once (one more is answered 503 and
+closed at once), and one that has not sent its request within ``REQUEST_TIMEOUT_S``
+is closed, so idle connections hold no thread for long and a probe gets through.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["HealthServer"]
+__all__ = ["HealthServer", "MAX_CONNECTIONS", "REQUEST_TIMEOUT_S"]
+
+#: connections served at once (a thread each); more are answered 503 and closed
+MAX_CONNECTIONS = 16
+#: seconds a connection may take to send its request, and each read or write after it
+REQUEST_TIMEOUT_S = 5.0
+_BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
 class HealthServer:
@@ -33,6 +42,8 @@ class HealthServer:
         self.worker = worker
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_TIMEOUT_S  # the socket's timeout: an idle or slow client is dropped
+
             def do_GET(self) -> None:  # http.server's name
                 w = outer.worker
                 if self.path == "/metrics":
@@ -69,6 +80,28 @@ class HealthServer:
         class Server(ThreadingHTTPServer):
             address_family = socket.AF_INET6 if ":" in bare else socket.AF_INET
             daemon_threads = True
+            slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+            def process_request(self, request, client_address) -> None:
+                if not self.slots.acquire(blocking=False):  # all threads busy: answer now, hold nothing
+                    request.setblocking(False)
+                    try:
+                        request.send(_BUSY)
+                    except OSError:
+                        pass
+                    self.shutdown_request(request)
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    self.slots.release()
+                    raise
+
+            def process_request_thread(self, request, client_address) -> None:
+                try:
+                    super().process_request_thread(request, client_address)
+                finally:
+                    self.slots.release()
 
         try:
             self.server = Server((bare, port), Handler)

@@ -72,6 +72,8 @@ def check_command_line(where: str, argv: list[str], env: dict[str, str], monkeyp
     # a worker is rank 0 of its instance (it starts ranks 1.. itself: no rank per pod),
     # and the manifests leave --rank out altogether.
     needed = {"cluster_keys": "EPD_CLUSTER_KEYS"}
+    if argv[1] == "serve" and ns.require_api_key:  # `epd serve --require-api-key` refuses to start without one
+        needed["api_key"] = "EPD_API_KEY"
     if argv[1] == "worker":
         needed.update(instance_id="EPD_INSTANCE_ID", router="EPD_ROUTER")
         if ns.rank != 0:
@@ -96,8 +98,8 @@ def test_every_command_line_parses_with_epds_parser(overlay, monkeypatch):
 
 def test_the_command_line_check_catches_mistakes(monkeypatch):
     """The check above fails on an unknown option, an abbreviation argparse would accept,
-    a bad choice or type, a missing router or keys directory, an unexpanded variable and
-    a --rank (>= 1: refused by `epd worker`; 0: redundant)."""
+    a bad choice or type, a missing router or keys directory, an unexpanded variable,
+    a --rank (>= 1: refused by `epd worker`; 0: redundant) and the API's missing key."""
     where, argv, env = next(x for x in _command_lines("cpu") if "epd-decode" in x[0])
     assert check_command_line(where, argv, env, monkeypatch) == []
     bad = {
@@ -113,6 +115,10 @@ def test_the_command_line_check_catches_mistakes(monkeypatch):
     }
     for what, (a, e) in bad.items():
         assert check_command_line(where, a, e, monkeypatch), f"{what} went unnoticed"
+    where, argv, env = next(x for x in _command_lines("cpu") if "epd-api" in x[0])
+    assert check_command_line(where, argv, env, monkeypatch) == []
+    no_key = {k: v for k, v in env.items() if k != "EPD_API_KEY"}
+    assert check_command_line(where, argv, no_key, monkeypatch), "--require-api-key without a key went unnoticed"
 
 
 @pytest.mark.parametrize("overlay", RENDERED)

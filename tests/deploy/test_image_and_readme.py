@@ -65,27 +65,30 @@ def test_model_is_converted_at_build_time_and_entrypoint_is_epd():
 
 
 def test_readme_secret_commands_match_the_manifests_and_epd_keys(tmp_path):
-    """deploy/README.md creates the Secret the pods mount, from the two files `epd keys
-    generate` writes (generated here for real, and loadable from a directory holding just
-    those two files, as the Secret's mount does); and it documents every overlay."""
-    readme = (DEPLOY / "README.md").read_text()
-    m = re.search(r"kubectl -n epd create secret generic (\S+)((?:\s+\\?\s*--from-file=\S+)+)", readme)
-    assert m, "no `kubectl create secret generic` in deploy/README.md"
-    assert m.group(1) == "epd-cluster-keys"
-    files = set(re.findall(r"--from-file=([^=\s]+)=", m.group(2)))
-    assert files == {"cluster.key", "cluster.key_secret"}
-    assert "epd keys generate" in readme
+    """deploy/README.md creates the Secrets the pods mount, from the files `epd keys
+    generate` writes (generated here for real): epd-router-keys (router.key_secret,
+    member.key) loads as the router's side and epd-member-keys (member.key_secret,
+    router.key) as a member's, each from a directory holding just its two files, as the
+    Secret's mount does; and it documents every overlay."""
     from epd.cli import build_parser
-    from epd.cluster_auth import generate_keys, load_keys
+    from epd.cluster_auth import MEMBER, ROUTER, generate_keys, load_keys
 
+    readme = (DEPLOY / "README.md").read_text()
+    found = re.findall(r"kubectl -n epd create secret generic (\S+)((?:\s+\\?\s*--from-file=\S+)+)", readme)
+    secrets = {name: set(re.findall(r"--from-file=([^=\s]+)=", files)) for name, files in found}
+    assert secrets == {"epd-router-keys": {"router.key_secret", "member.key"},
+                       "epd-member-keys": {"member.key_secret", "router.key"}}, secrets
+    assert "kubectl -n epd create secret generic epd-api-key" in readme
+    assert "epd keys generate" in readme
     build_parser().parse_args(["keys", "generate", str(tmp_path)])  # the documented command exists
     generate_keys(tmp_path / "gen")
-    assert {f.name for f in (tmp_path / "gen").iterdir()} == files
-    mounted = tmp_path / "mounted"
-    mounted.mkdir()
-    for f in files:
-        (mounted / f).write_bytes((tmp_path / "gen" / f).read_bytes())
-    assert load_keys(mounted).secret
+    assert {f.name for f in (tmp_path / "gen").iterdir()} == set().union(*secrets.values())
+    for (name, files), side in zip(sorted(secrets.items()), (MEMBER, ROUTER), strict=True):
+        mounted = tmp_path / name
+        mounted.mkdir()
+        for f in files:
+            (mounted / f).write_bytes((tmp_path / "gen" / f).read_bytes())
+        assert load_keys(mounted, side).secret
     for overlay in ("cpu", "gpu", "keda"):
         assert f"deploy/overlays/{overlay}" in readme
 

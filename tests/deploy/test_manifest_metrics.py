@@ -351,7 +351,7 @@ def test_the_tts_pods_command_line_joins_a_router_speaks_and_drains(tmp_path):
 
     import httpx
 
-    from epd.cluster_auth import generate_keys, load_keys
+    from epd.cluster_auth import ROUTER, generate_keys, load_keys
     from epd.router.pipeline import TTS_SAMPLE_RATE
     from epd.router.router import Router
 
@@ -362,7 +362,7 @@ def test_the_tts_pods_command_line_joins_a_router_speaks_and_drains(tmp_path):
     log = tmp_path / "tts.log"
 
     async def main() -> tuple[int, bytes, str, int]:
-        router = Router(host="127.0.0.1", port=_free_port(), keys=load_keys(tmp_path / "keys"))
+        router = Router(host="127.0.0.1", port=_free_port(), keys=load_keys(tmp_path / "keys", ROUTER))
         await router.start()
         pod_env = container_env(c, {"status.podIP": "127.0.0.1", "metadata.name": "epd-tts-5d8f7-x2x9q"})
         assert pod_env["EPD_ROUTER"] == "tcp://epd-router:5557"

@@ -85,10 +85,12 @@ def test_pool_services_are_headless(overlay):
 
 
 @pytest.mark.parametrize("overlay", RENDERED)
-def test_no_key_material_rendered_and_every_pod_mounts_the_cluster_keys(overlay):
+def test_no_key_material_rendered_and_every_pod_mounts_its_sides_keys(overlay):
     """The output holds no Secret (the cluster keys are made by `epd keys generate` and
     `kubectl create secret`, never committed or rendered), and every epd container mounts
-    the Secret epd-cluster-keys read-only where its EPD_CLUSTER_KEYS points."""
+    its side's Secret read-only where its EPD_CLUSTER_KEYS points: the API pod (which runs
+    the router) epd-router-keys, every worker pod epd-member-keys, so no worker holds the
+    key that commands workers."""
     docs = render(overlay)
     assert not by_kind(docs, "Secret")
     seen = 0
@@ -100,10 +102,22 @@ def test_no_key_material_rendered_and_every_pod_mounts_the_cluster_keys(overlay)
         assert len(mounts) == 1, f"{w['metadata']['name']}: nothing mounted at {keys_dir}"
         assert mounts[0].get("readOnly") is True
         vol = vols[mounts[0]["name"]]
-        assert vol.get("secret", {}).get("secretName") == "epd-cluster-keys", vol
+        secret = "epd-router-keys" if w["metadata"]["name"] == "epd-api" else "epd-member-keys"
+        assert vol.get("secret", {}).get("secretName") == secret, (w["metadata"]["name"], vol)
         assert not vol["secret"].get("optional", False), "a pod without keys must not start"
         seen += 1
     assert seen >= 4
+
+
+@pytest.mark.parametrize("overlay", RENDERED)
+def test_the_api_needs_its_key(overlay):
+    """Issue 34 item 12: the API pod does not start without the Secret epd-api-key (its
+    secretKeyRef is not optional) and runs `epd serve --require-api-key`, which refuses an
+    empty key: the API never serves unauthenticated."""
+    (c,) = [c for w, _t, c in containers(render(overlay)) if w["metadata"]["name"] == "epd-api"]
+    (ref,) = [e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == "EPD_API_KEY"]
+    assert ref["name"] == "epd-api-key" and ref.get("optional", False) is False, ref
+    assert "--require-api-key" in c["args"]
 
 
 def _key(d: dict) -> tuple[str, str]:
