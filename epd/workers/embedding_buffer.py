@@ -57,7 +57,11 @@ class EmbeddingBuffer:
     def used_bytes(self) -> int:
         return sum(size for size, _, _ in self._slots.values())
 
-    def alloc(self, owner: str, nbytes: int, *, _word: int = -1) -> int:
+    def alloc(self, owner: str, nbytes: int) -> int:
+        """A 64-byte aligned slot of ``nbytes`` for ``owner``: its offset. Raises BufferFullError."""
+        return self._alloc(owner, nbytes, -1)
+
+    def _alloc(self, owner: str, nbytes: int, word: int) -> int:
         size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
         pos = 0
         for off in sorted(self._slots):
@@ -67,7 +71,7 @@ class EmbeddingBuffer:
         if pos + size > self.capacity:
             raise BufferFullError(f"embedding buffer full: {nbytes} bytes wanted, "
                                   f"{self.capacity - self.used_bytes} of {self.capacity} free")
-        self._slots[pos] = (size, owner, -1 if _word < 0 else pos + _word)
+        self._slots[pos] = (size, owner, -1 if word < 0 else pos + word)
         return pos
 
     def alloc_span(self, owner: str, nbytes: int) -> tuple[int, int]:
@@ -75,7 +79,7 @@ class EmbeddingBuffer:
         generation)``, generation a random nonzero 63-bit int written at ``offset +
         generation_offset(nbytes)``. Raises BufferFullError."""
         word = generation_offset(nbytes)
-        off = self.alloc(owner, word + GENERATION_BYTES, _word=word)
+        off = self._alloc(owner, word + GENERATION_BYTES, word)
         generation = secrets.randbits(63) or 1
         self._write_word(off + word, generation)
         return off, generation
