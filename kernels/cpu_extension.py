@@ -7,8 +7,9 @@ and the fused decode step that chains them (``decode_layers_cpu.cpp``, ``FusedDe
 It is compiled once per machine and source content with ``torch.utils.cpp_extension.load``
 (g++ and ninja, ``-march=native``; ``make install`` builds it) into torch's extension cache
 (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), in a directory named
-by a hash of the sources; processes that start while it builds wait on the build's lock
-file. Where it cannot be built, :func:`load`
+by a hash of the sources, from a copy of the sources kept there (so every checkout on the
+machine writes the same ``build.ninja`` and none triggers another's rebuild); processes that
+start while it builds wait on the build's lock file. Where it cannot be built, :func:`load`
 returns None once, with a warning, and every caller uses its torch reference.
 """
 
@@ -44,6 +45,22 @@ def _build_directory(sources: list[str], cflags: list[str]) -> Path:
     return root / f"epd_cpu_kernels_{h.hexdigest()[:12]}"
 
 
+def _stage_sources(build_dir: Path) -> list[str]:
+    """Copies ``csrc/`` (sources and header) into ``build_dir/src`` and returns the copies'
+    paths. A copy is rewritten only when its bytes differ (atomically, via a temporary file),
+    so its mtime, which ninja compares, changes only with its content."""
+    src = build_dir / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for name in (*SOURCES, "cpu_kernels.h"):
+        data = (_CSRC / name).read_bytes()
+        dst = src / name
+        if not dst.exists() or dst.read_bytes() != data:
+            tmp = src / f".{name}.{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+    return [str(src / s) for s in SOURCES]
+
+
 def load():
     """The compiled extension module (``epd_cpu_kernels``), or None when it cannot be built
     here (the reason is logged once)."""
@@ -64,11 +81,9 @@ def load():
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
             from torch.utils.cpp_extension import load as build
 
-            sources = [str(_CSRC / s) for s in SOURCES]
-            build_dir = _build_directory(sources, _CFLAGS)
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _EXT = build(name="epd_cpu_kernels", sources=sources, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                         build_directory=str(build_dir), verbose=False)
+            build_dir = _build_directory([str(_CSRC / s) for s in SOURCES], _CFLAGS)
+            _EXT = build(name="epd_cpu_kernels", sources=_stage_sources(build_dir), extra_cflags=_CFLAGS,
+                         extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         except Exception as e:  # no compiler, no ninja, a read-only cache...
             logger.warning("epd's CPU kernels could not be built (%s: %s); the CPU runs the slower torch "
                            "reference ops", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
