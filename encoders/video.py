@@ -28,7 +28,7 @@ frame rate. A stream that ends before the frame shown at the last ``t_k`` (a tru
 file) is rejected.
 
 Every failure is a :class:`epd.encoders.media_limits.MediaError` with ``modality="video"``; the
-API answers 400 (413 for :class:`~epd.encoders.media_limits.MediaTooLargeError`, as for images).
+API answers 400 (``MediaError`` is an ``epd.errors.InvalidRequestError``).
 """
 
 from __future__ import annotations

@@ -158,9 +158,9 @@ def _sized(check, data: bytes, param: str, index: int, *args):
     Raises:
         BadRequest: the item is over ``--max-mm-item-mb`` (or its header is bad).
     """
-    i = param.split(".")[1]
+    where = re.sub(r"\.(\d+)", r"[\1]", f"{param}.{index}")  # messages.0.content.1 -> messages[0].content[1]
     try:
-        return check(data, *args, where=f"messages[{i}].content[{index}]")
+        return check(data, *args, where=where)
     except MediaError as e:
         raise BadRequest(str(e), f"{param}.{index}") from None
 
