@@ -149,6 +149,9 @@ class GrammarCompiler:
     ``tokenizer``: the HF tokenizer, or None to load it from ``model_dir`` on first use;
     ``vocab_size``: the model's (logits width; ids past the tokenizer's are never allowed);
     ``eos_token_ids``: the ids that end a sequence (allowed once the grammar is complete).
+    ``grammar`` may run on several threads at once (the engine compiles on a thread).
+    ``compile_gate``: when set, every compile (a cache miss) first waits for this event: a
+    test's seam to hold a compile in flight.
     """
 
     def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: frozenset[int], tokenizer=None) -> None:
@@ -156,6 +159,8 @@ class GrammarCompiler:
         self._hf = tokenizer
         self._ll = None
         self._lock = threading.Lock()
+        self._cache_lock = threading.Lock()
+        self.compile_gate: threading.Event | None = None
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._checked: OrderedDict[tuple, None] = OrderedDict()  # keys ``check`` passed
         self.words = (vocab_size + 31) // 32
@@ -198,18 +203,27 @@ class GrammarCompiler:
         import llguidance
 
         key = spec.key
-        base = self._cache.get(key)
+        with self._cache_lock:
+            base = self._cache.get(key)
+            if base is not None:
+                self._cache.move_to_end(key)
         if base is None:
+            if self.compile_gate is not None:
+                self.compile_gate.wait()
             base = llguidance.LLMatcher(self._tokenizer(), grammar_text(spec), log_level=0)
             if base.is_error():
                 raise InvalidRequestError(f"invalid {spec.kind.replace('_', ' ')}: {short_error(base.get_error())}",
                                           spec.kind)
-            self._cache[key] = base
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+            with self._cache_lock:
+                self._cache[key] = base
+                if len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
         return Grammar(base.deep_copy())
+
+    def is_compiled(self, spec: StructuredOutputs) -> bool:
+        """Whether ``grammar(spec)`` is a cache hit (a copy, no compile)."""
+        with self._cache_lock:
+            return spec.key in self._cache
 
     def check(self, spec: StructuredOutputs) -> None:
         """Compile ``spec`` and follow it for one token (the first allowed one that does

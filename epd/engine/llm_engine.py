@@ -120,6 +120,10 @@ class LLMEngine:
         self.grammars = GrammarCompiler(config.model, self.vocab_size, self.eos_token_ids, tokenizer)
         self.grammars.warm_up()
         self._mask_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        # Grammars not in the cache compile on a thread; their requests wait here (vLLM's
+        # WAITING_FOR_FSM), and ``step`` admits them once compiled: request id -> (seq, compile).
+        self._compiles: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}
+        self._compile_thread: concurrent.futures.ThreadPoolExecutor | None = None
         # The scheduler-side seam of a KV connector (``KVConnectorHooks``), or None.
         self.kv_connector: KVConnectorHooks | None = None
         self.requests: dict[str, _Request] = {}
@@ -188,7 +192,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                        mm_placeholders=mm_placeholders, mm_embeddings=mm_embeddings)
-        self._attach_grammar(seq)
+        ready = self._attach_grammar(seq)
         skip_draws(seq, params.num_prior_output_tokens, self.vocab_size)  # a resumed request's earlier draws
         detok = None
         if self.tokenizer is not None:
@@ -198,20 +202,64 @@ class LLMEngine:
         req = _Request(seq, prompt, detok)
         self.requests[request_id] = req
         self._by_seq_id[seq.seq_id] = req
-        self.scheduler.add(seq)
+        if ready:
+            self.scheduler.add(seq)
 
-    def _attach_grammar(self, seq: Sequence) -> None:
-        """Give a constrained sequence its matcher, advanced past a resumed request's
-        prior output (the last ``num_prior_output_tokens`` prompt tokens).
+    def _attach_grammar(self, seq: Sequence) -> bool:
+        """Give a constrained sequence its matcher now when its grammar is compiled (True;
+        also without a constraint), else start compiling it on a thread (False: ``step``
+        attaches it, and queues a local request, once compiled).
 
         Raises:
-            InvalidRequestError: the constraint does not compile, or the prior output
-                does not follow it.
+            InvalidRequestError: the prior output does not follow a compiled constraint.
         """
         spec = seq.params.structured_outputs
         if spec is None:
-            return
-        grammar = self.grammars.grammar(spec)
+            return True
+        if self.grammars.is_compiled(spec):
+            self._set_grammar(seq, self.grammars.grammar(spec))
+            return True
+        if self._compile_thread is None:
+            self._compile_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epd-grammar-compile")
+        self._compiles[seq.request_id] = (seq, self._compile_thread.submit(self.grammars.grammar, spec))
+        return False
+
+    def _admit_compiled(self, wait_s: float = 0.0) -> list[RequestOutput]:
+        """Attach each compiled grammar of a local request and queue it (waiting up to
+        ``wait_s`` for a compile to end); a constraint that does not compile (or that the
+        prior output does not follow) ends its request with finish_reason ``"error"``."""
+        local = {rid: job for rid, job in self._compiles.items() if rid in self.requests}
+        if wait_s and local and not any(f.done() for _, f in local.values()):
+            concurrent.futures.wait([f for _, f in local.values()], wait_s, concurrent.futures.FIRST_COMPLETED)
+        failed = []
+        for rid, (seq, compile_) in local.items():
+            if not compile_.done():
+                continue
+            del self._compiles[rid]
+            try:
+                self._set_grammar(seq, compile_.result())
+            except Exception as e:  # the client's constraint: InvalidRequestError, or the engine's own error
+                kind = seq.params.structured_outputs.kind.replace("_", " ")
+                msg = str(e) if isinstance(e, InvalidRequestError) else f"the {kind} does not compile: {e}"
+                self.scheduler.finish(seq, "error", msg)
+                failed.append(self._failed(seq))
+                continue
+            self.scheduler.add(seq)
+        return failed
+
+    @property
+    def num_compiling(self) -> int:
+        """Local requests whose grammar is compiling (they are not yet queued)."""
+        return sum(1 for rid in self._compiles if rid in self.requests)
+
+    def _set_grammar(self, seq: Sequence, grammar) -> None:
+        """``seq``'s matcher, advanced past a resumed request's prior output (the last
+        ``num_prior_output_tokens`` prompt tokens).
+
+        Raises:
+            InvalidRequestError: the prior output does not follow it.
+        """
+        spec = seq.params.structured_outputs
         n = seq.params.num_prior_output_tokens
         if n and not grammar.accept_all(seq.token_ids[seq.num_prompt_tokens - n:]):
             raise InvalidRequestError(f"the request's earlier output does not follow its {spec.kind} constraint: "
@@ -242,6 +290,7 @@ class LLMEngine:
         """Stop a request wherever it is (queued, running, waiting for remote KV);
         frees its blocks (a KV connector frees the blocks it holds for a send in its
         own ``abort``). Unknown ids are ignored."""
+        self._compiles.pop(request_id, None)
         remote = self.scheduler.waiting_for_remote_kv.get(request_id)
         if remote is not None:
             self.scheduler.finish(remote, "abort")
@@ -262,10 +311,12 @@ class LLMEngine:
         per-layer hook and staging packs (``StepKV``, see ``epd.engine.kv_connector_base``).
         """
         t0 = time.perf_counter()
+        failed = self._admit_compiled()
         sched = self.scheduler.schedule()
-        failed = [self._failed(seq) for seq in sched.failed]
+        failed += [self._failed(seq) for seq in sched.failed]
         if not sched.scheduled:
-            return failed
+            # nothing to run but compiles: wait for one briefly, not in a busy loop
+            return failed + (self._admit_compiled(0.05) if self._compiles else [])
         step, mm_embeds = self.input_batch.build(sched, self.scheduler.running)
         kv = self.kv_connector.build_step(sched) if self.kv_connector is not None else None
         hook = None
@@ -371,8 +422,9 @@ class LLMEngine:
             raise InvalidRequestError("a media placeholder lies outside the prompt", "placeholders")
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
         seq.mm_placeholders = placeholders  # no embeddings here: set after the constructor's check
-        self._attach_grammar(seq)
+        self._attach_grammar(seq)  # compiling on a thread while the KV arrives; ``add_prefilled`` takes it
         if not self.scheduler.add_remote(seq):
+            self._compiles.pop(request_id, None)
             return None
         skip_draws(seq, params.num_prior_output_tokens, self.vocab_size)  # a resumed request's earlier draws
         return list(seq.block_table)
@@ -388,6 +440,9 @@ class LLMEngine:
             KeyError: no request ``request_id`` waits for remote KV.
         """
         seq = self.scheduler.waiting_for_remote_kv[request_id]
+        job = self._compiles.pop(request_id, None)
+        if job is not None:  # compiled on a thread since add_remote_request (the prefill worker compiled it too)
+            self._set_grammar(seq, job[1].result())
         seq.token_ids.append(first_token)
         if seq.grammar is not None:  # the prefill worker sampled it under the same grammar
             self._advance_grammar(seq, first_token)
@@ -446,8 +501,9 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
-        if self._mask_thread is not None:
-            self._mask_thread.shutdown(wait=False)
+        for pool in (self._mask_thread, self._compile_thread):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         atexit.unregister(self.shutdown)  # the exit hook no longer keeps the engine (and its KV cache) alive
         graceful = False
         try:

@@ -162,7 +162,7 @@ class EngineWorker(BaseWorker):
         self.fail(msg.request_id, exc)
 
     def has_work(self) -> bool:
-        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting)
+        return bool(self.engine.scheduler.running or self.engine.scheduler.waiting or self.engine.num_compiling)
 
     def in_flight(self) -> set[str]:
         return (set(self.engine.requests) | set(self.engine.scheduler.waiting_for_remote_kv)

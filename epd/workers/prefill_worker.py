@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from epd.errors import InvalidRequestError
 from epd.messages import Message, PrefillDone, PrefillRequest, RequestFailed, TokenLogprob
 from epd.roles import Role
 from epd.transfer.kv_connector import KVSend
@@ -81,6 +82,12 @@ class PrefillWorker(EngineWorker):
         for out in self.engine.step():
             prompt = self.prompts.get(out.request_id)
             if prompt is None or not out.finished:
+                continue
+            comp = out.outputs[0]
+            if comp.finish_reason == "error" and isinstance(comp.stop_reason, str):  # its grammar did not compile
+                self.prompts.pop(out.request_id, None)
+                self.kv.abort(out.request_id)
+                self.fail(out.request_id, InvalidRequestError(comp.stop_reason, "structured_outputs"))
                 continue
             if out.outputs[0].logprobs:
                 prompt.first_logprob = TokenLogprob.from_output(out.outputs[0].logprobs[0])
