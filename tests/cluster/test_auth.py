@@ -6,6 +6,10 @@
   connects to the router's and every worker's port and sends WorkerReady, Abort,
   Shutdown, EncodeRequest and KV events: none has any effect (membership in
   ``/epd/workers``, answers, the encoder-cache counters, a stream in flight).
+- A member (it holds the member key, as every worker and encoder does) connects to
+  every worker's command socket and sends Shutdown, PeerInfo, Registered and Abort:
+  only the router's key opens a command socket, so none has any effect, and each worker
+  counts the refusals (``epd_auth_denied_total``).
 - A member claiming a live instance id is refused (``RegistrationRefused``).
 - Binding anything but loopback without keys refuses to start, naming the fix.
 """
@@ -28,6 +32,7 @@ from epd.messages import (
     Abort,
     EncodeRequest,
     KVEvents,
+    PeerInfo,
     Registered,
     RegistrationRefused,
     Shutdown,
@@ -127,7 +132,7 @@ def _hostile_messages() -> list:
 def _attack(endpoints: list[str], keys_dir: str | None) -> None:
     """From host ``evil``: push every hostile message to every endpoint, without keys
     (plain) and with CURVE keys that are not the cluster's."""
-    from epd.cluster_auth import generate_keys, load_keys
+    from epd.cluster_auth import MEMBER, generate_keys, load_keys
 
     ctx = zmq.Context()
     try:
@@ -138,7 +143,7 @@ def _attack(endpoints: list[str], keys_dir: str | None) -> None:
             socks.append(plain)
             if keys_dir is not None:
                 generate_keys(keys_dir, force=True)
-                other = load_keys(keys_dir)
+                other = load_keys(keys_dir, MEMBER)
                 curve = ctx.socket(zmq.PUSH)
                 other.client(curve)  # a CURVE client, but not a member: ZAP refuses it
                 curve.connect(ep)
@@ -183,12 +188,65 @@ def test_a_peer_without_the_keys_changes_nothing(dep, image_expected, tmp_path):
         assert "malformed" not in dep.c.log(inst) and "ignores" not in dep.c.log(inst)
 
 
+def _member_commands(endpoints: list[str], keys_dir: str) -> None:
+    """From host ``evil``, with the cluster's member key (what any worker's host holds):
+    push commands to every worker's command socket, naming the worker's own server key."""
+    from epd.cluster_auth import MEMBER, load_keys
+
+    member = load_keys(keys_dir, MEMBER)
+    ctx = zmq.Context()
+    try:
+        socks = []
+        for ep in endpoints:
+            s = ctx.socket(zmq.PUSH)
+            member.client(s)
+            s.curve_serverkey = member.public  # a worker's command socket serves with the member key
+            s.connect(ep)
+            socks.append(s)
+        time.sleep(1.0)
+        for s in socks:
+            for msg in (Registered("decode-0", 99), PeerInfo("evil-0", b"\0" * 64, [], None, 1),
+                        Abort("cmpl-anything"), Shutdown()):
+                try:
+                    s.send(encode(msg), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # no connection was admitted: nothing can be queued
+        time.sleep(2.0)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_member_key_commands_no_worker(dep, image_expected):
+    """Issue 34 item 11: only the router's key opens a worker's command socket. A member
+    key holder's Shutdown / PeerInfo / Registered / Abort reach no worker (a stream in
+    flight completes, every worker stays), and every worker counts the refusals."""
+    def denied(host: str) -> float:
+        text = dep.c.run_in("api", httpx.get, f"http://{dep.c.addr(host)}:9100/metrics", timeout=30).text
+        return metric_sum(text, "epd_auth_denied_total")
+
+    hosts = {inst: host for inst, (host, _) in dep.workers.items() if inst in ("encode-0", "prefill-0", "decode-0")}
+    before = {inst: denied(host) for inst, host in hosts.items()}
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.setdefault("text", _ask(dep, seed=6)))
+    t.start()
+    endpoints = _cmd_endpoints(dep)
+    dep.c.run_in("evil", _member_commands, [endpoints[i] for i in hosts], dep.keys)
+    t.join(300)
+    assert "text" in result  # completed: no Abort or Shutdown reached a worker
+    assert set(dep.stats()) >= set(hosts)
+    assert all("unresponsive" not in s for s in dep.stats().values())
+    for inst, host in hosts.items():
+        assert denied(host) > before[inst], inst
+        assert "refused a CURVE client" in dep.c.log(inst), inst
+    assert _ask(dep) == image_expected
+
+
 def test_a_second_registration_of_a_live_instance_id_is_refused(dep):
     """A member (it holds the keys) claims prefill-0's id from another process: refused,
     and prefill-0 keeps serving."""
-    from epd.cluster_auth import load_keys
+    from epd.cluster_auth import MEMBER, load_keys
 
-    keys = load_keys(dep.keys)
+    keys = load_keys(dep.keys, MEMBER)
     evil = dep.c.addr("evil")
 
     def claim() -> object:
