@@ -40,11 +40,9 @@ see tests/transfer/test_nixl_transport.py):
   here every remote range must lie inside the regions the peer advertised on the
   control plane, and every local range inside our own registrations, before NIXL is
   called at all.
-- One agent holds host (DRAM) and device (VRAM) memory alike: `register_memory` of CUDA
-  tensors registers VRAM (the tensor's device id), of CPU tensors DRAM; a transfer's
-  local side is one memory type and its remote side one (VRAM->VRAM over NVLink/RDMA
-  when UCX is built with CUDA; VRAM<->DRAM also allowed). The region triples here fold
-  the type into the device field (``HOST`` 0 = DRAM, ``1 + i`` = VRAM of ``cuda:i``).
+- One agent holds DRAM and VRAM alike (`register_memory` of CPU / CUDA tensors); a transfer's
+  local side is one memory type and its remote side one (VRAM->VRAM over NVLink/RDMA with a CUDA
+  UCX). Region triples fold the type into the device field (0 = DRAM, ``1 + i`` = ``cuda:i``).
 
 Not thread-safe: one thread per transport (the optional progress thread is NIXL's own).
 """
@@ -52,7 +50,6 @@ Not thread-safe: one thread per transport (the optional progress thread is NIXL'
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 import weakref
@@ -63,6 +60,7 @@ import torch
 
 from epd.messages import Region
 from epd.transfer.regions import RegionTable, as_region_array, check_disjoint, coalesce, nixl_descs, tensor_region
+from epd.transfer.transfer_hold import TransferHold
 
 logger = logging.getLogger(__name__)
 
@@ -249,18 +247,11 @@ class Transfer:
             logger.debug("release of failed %s: %s", self._what(), e)
 
 
-class NixlTransport:
+class NixlTransport(TransferHold):
     """One NIXL agent per worker process (UCX backend; callers poll unless
     `progress_thread_us` > 0 starts NIXL's progress thread with that sleep). It registers
     host and CUDA tensors alike (DRAM / VRAM, see the module docstring).
-
-    The hold seam, for tests of transfers in flight (CPU transports complete inside the
-    post): while ``hold`` is True, or the file named by ``$EPD_INJECT_HOLD_TRANSFERS``
-    exists, new transfers stay in flight ("PROC") without reaching NIXL, and releasing
-    one cannot cancel it; once the hold ends they are handed to NIXL in posting order
-    and land, as the worst case of NIXL's own semantics. Each held transfer appends a
-    line to ``$EPD_INJECT_HOLD_TRANSFERS.held`` (so a test knows it is in flight). A
-    ``{agent}`` in the path is replaced by the agent's name (a worker's instance id).
+    Tests hold its transfers in flight with the hold seam (:class:`TransferHold`).
     """
 
     def __init__(self, name: str, *, progress_thread_us: int = 0):
@@ -274,9 +265,7 @@ class NixlTransport:
         self._notifs: dict[str, list[bytes]] = {}
         self._live: weakref.WeakSet[Transfer] = weakref.WeakSet()
         self._cancelling: set[Transfer] = set()  # released, not yet terminated (kept alive to be polled)
-        self.hold = False
-        self._hold_path = os.environ.get("EPD_INJECT_HOLD_TRANSFERS", "").replace("{agent}", name)
-        self._held: list[Transfer] = []
+        self._init_hold(name)
         self._metadata_taken = False
         self._agent: Any = None
         try:
@@ -490,13 +479,7 @@ class NixlTransport:
         t = Transfer(self, handle, op, peer, nbytes, len(ldesc))
         self.num_requests += 1
         if self._holding():
-            t._held = True
-            self._held.append(t)
-            self._live.add(t)
-            if self._hold_path:
-                with open(self._hold_path + ".held", "a") as f:
-                    f.write(f"{t._what()}\n")
-            return t
+            return self._hold(t)
         try:
             state = agent.transfer(handle)
         except Exception as e:
@@ -510,28 +493,6 @@ class NixlTransport:
             t.release()
             raise TransferError(f"{t._what()} failed to post: NIXL state {state}")
         return t
-
-    def _holding(self) -> bool:
-        return self.hold or bool(self._hold_path and os.path.exists(self._hold_path))
-
-    def _post_held(self) -> None:
-        """The hold seam: once the hold ends, hand the held transfers to NIXL in order."""
-        if not self._held or self._holding():
-            return
-        held, self._held = self._held, []
-        for t in held:
-            t._held = False
-            try:
-                state = self._agent.transfer(t._handle)
-            except Exception as e:
-                logger.warning("%s: held %s failed to post: %s", self.name, t._what(), e)
-                state = "ERR"
-            if state == "DONE" and not t._released:
-                t._complete()
-            elif state not in ("DONE", "PROC"):
-                t._free()
-            elif t._released:
-                t._settle()
 
     num_cancelling = property(lambda self: len(self._cancelling), doc="Released transfers not terminated yet")
 
