@@ -88,7 +88,7 @@ class Cluster:
                       "--http-port", str(http_port), *WORKER_ARGS, *extra], env=env)
         self.workers[inst] = (proc, http_port)
 
-    def wait_registered(self, *insts: str, timeout_s: float = 300.0) -> None:
+    def wait_registered(self, *insts: str, timeout_s: float = 600.0) -> None:
         """Until each worker's own ``/health`` says the router has it."""
         deadline = time.monotonic() + timeout_s
         for inst in insts:
