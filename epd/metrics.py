@@ -173,7 +173,8 @@ class Metrics:
         kv_fenced_blocks: a decode instance's KV blocks held by aborted reservations
             whose writer may still write (not done, not gone).
         pool_instances: instances per pool as the router sees them, label ``state``
-            (live: routable; draining), labels ``pool`` and ``state`` only; ``epd_pool_instances``.
+            (live: routable; draining; dead: registered, not alive, not forgotten yet), labels
+            ``pool`` and ``state`` only; ``epd_pool_instances``.
         router_requests: requests open in the router, with a third label ``state``
             (encode, prefill, transfer, decode: ``epd.router.request.RequestState``),
             ``pool="router"``, ``instance="router"``; ``epd_router_requests``. Mode

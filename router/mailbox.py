@@ -106,11 +106,16 @@ class Mailbox:
                 if w.draining:  # it said Draining: leaving is the plan, not a failure
                     logger.warning("%s worker %s (pid %d) left after draining", w.role, w.instance_id, w.info.pid)
                 else:
-                    logger.warning("%s worker %s (pid %d) is dead (no heartbeat for %.1f s)", w.role, w.instance_id,
-                                   w.info.pid, self.registry.heartbeat_timeout_s)
+                    logger.warning("%s worker %s (pid %d) is dead (%s)", w.role, w.instance_id, w.info.pid,
+                                   self._why_dead(w))
                     self._count("worker_failures", w.role, w.instance_id)
                 if self._on_dead is not None:
                     self._on_dead(w)
+
+    def _why_dead(self, w: WorkerHandle) -> str:
+        if self.registry.stalled(w):
+            return f"its main loop has not advanced for {w.info.stall_timeout_s:.0f} s (wedged)"
+        return f"no heartbeat for {self.registry.heartbeat_timeout_s:.1f} s"
 
     def forget_deaths(self, instance_id: str) -> None:
         """``instance_id`` re-registered (a new process, maybe with a recycled pid):
@@ -225,7 +230,5 @@ class Mailbox:
         """Raise RequestError (``kind="dead"``) for the first dead worker in ``watch``."""
         for w in watch:
             if not self.registry.is_alive(w):
-                raise RequestError(
-                    f"{stage}: {w.role} worker {w.instance_id} died (no heartbeat for "
-                    f"{self.registry.heartbeat_timeout_s:.1f} s)", status=503, retryable=True,
-                    instance=w.instance_id, kind="dead") from None
+                raise RequestError(f"{stage}: {w.role} worker {w.instance_id} died ({self._why_dead(w)})",
+                                   status=503, retryable=True, instance=w.instance_id, kind="dead") from None

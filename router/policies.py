@@ -91,6 +91,9 @@ class RoutingPolicy:
     def released(self, w: WorkerHandle, request_id: str) -> None:
         """The attempt ``request_id`` routed to ``w`` ended (finished, failed or aborted)."""
 
+    def forget(self, instance_id: str) -> None:
+        """The router forgot the dead instance ``instance_id``: drop what is kept about it."""
+
 
 class LeastLoaded(RoutingPolicy):
     name = "least-loaded"
@@ -141,6 +144,10 @@ class KVAwarePrefill(RoutingPolicy):
         self.overlap_weight = overlap_weight
         self._open: dict[str, deque[int]] = {}
         self._routed: dict[str, int] = {}
+
+    def forget(self, instance_id: str) -> None:
+        self._open.pop(instance_id, None)
+        self._routed.pop(instance_id, None)
 
     def open_blocks(self, w: WorkerHandle) -> int:
         """Blocks of the requests still open on ``w`` (router view)."""
@@ -256,6 +263,9 @@ class FreeKVDecode(RoutingPolicy):
         rs = self._reservations.get(w.instance_id)
         if rs:
             rs[:] = [r for r in rs if r.request_id != request_id]
+
+    def forget(self, instance_id: str) -> None:
+        self._reservations.pop(instance_id, None)
 
     def free_after_reservations(self, w: WorkerHandle) -> int:
         free = w.load.num_free_blocks if w.load else 0

@@ -9,12 +9,29 @@ authenticated). A worker stays alive while its heartbeats (or any message)
 arrive within ``heartbeat_timeout_s``; the launcher can declare it dead sooner
 (``mark_dead``). A restarted worker re-registers under its instance id and
 replaces its old handle once that one is dead; a second process claiming a live
-instance id is refused (``RegistrationRefused``). A draining worker
-(``Draining``, on SIGTERM) stays alive but is no longer ``routable``.
+instance id is refused (``RegistrationRefused``); only its own process's heartbeats
+(``Heartbeat.incarnation``) keep an instance alive, so a replacement's never hold its
+dead predecessor's place. A draining worker (``Draining``, on SIGTERM) stays alive
+but is no longer ``routable``. A worker whose main loop stops advancing
+(``Heartbeat.loop``) for its ``WorkerReady.stall_timeout_s`` counts as dead too,
+though it still heartbeats (a wedged loop).
+
+Forgetting: a dead worker whose peers were told it is gone (``PeerGone``) is
+forgotten ``forget_dead_after_s`` after it was found dead (``forget_dead``): its
+socket closes and its pool, when it was the last member, no longer exists
+(``has_pool``). Kubernetes gives every replacement pod a new instance id, so
+without this every pod that ever ran would stay registered.
+
+Each worker's PUSH socket sets ``ZMQ_IMMEDIATE``: nothing queues for a peer
+without a connection. What ``send`` cannot hand over yet (the connection to a
+worker that just joined is still being made, or is broken) waits in order in
+the handle's ``backlog`` (at most ``BACKLOG`` messages), flushed on each of the
+worker's heartbeats and each ping; pings are dropped instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +42,7 @@ import zmq.asyncio
 from epd.cluster_auth import ClusterKeys
 from epd.kernels.kv_quant import KV_QUANT
 from epd.messages import (
+    ROUTER_PING_S,
     Draining,
     Heartbeat,
     Message,
@@ -40,17 +58,27 @@ from epd.roles import Role
 
 logger = logging.getLogger(__name__)
 
+#: messages kept for a worker whose connection is not up (``WorkerHandle.backlog``); also the socket's SNDHWM
+BACKLOG = 1000
+#: seconds before the first retry of a backlog ``send`` left
+RETRY_FIRST_S = 0.005
+
 
 @dataclass
 class WorkerHandle:
     """One worker instance as the router knows it."""
 
     info: WorkerReady
-    socket: zmq.asyncio.Socket
+    socket: zmq.Socket
     last_seen: float = field(default_factory=time.monotonic)
     load: Heartbeat | None = None
     inflight: int = 0  # requests the router has routed here and not yet finished
     draining: bool = False  # it said Draining: alive, but routed nothing new
+    loop: int = 0  # the highest main-loop iteration count its heartbeats carried
+    loop_at: float = field(default_factory=time.monotonic)  # when that count last advanced
+    dead_at: float | None = None  # when ``forget_dead`` first found it dead (None: alive at its last sweep)
+    backlog: list[bytes] = field(default_factory=list)  # encoded messages waiting for a connection, in order
+    _retry: asyncio.TimerHandle | None = None  # the next ``flush`` of a backlog left by ``send``
 
     @property
     def instance_id(self) -> str:
@@ -61,7 +89,48 @@ class WorkerHandle:
         return self.info.role
 
     def send(self, msg: Message) -> None:
-        self.socket.send(encode(msg), zmq.NOBLOCK)
+        """Hand ``msg`` to the socket, after whatever waits in ``backlog``; while the
+        connection is not up it waits there too (beyond ``BACKLOG`` messages it is
+        dropped: the worker is dead, or will find the router lost and re-join).
+
+        Raises:
+            zmq.ZMQError: the socket is closed (the worker was forgotten).
+        """
+        if len(self.backlog) < BACKLOG:
+            self.backlog.append(encode(msg))
+        else:
+            logger.warning("worker %s: no connection, %d messages waiting: dropped %s", self.instance_id,
+                           BACKLOG, type(msg).__name__)
+        self.flush()
+        if self.backlog and self._retry is None:
+            self._schedule_retry(RETRY_FIRST_S)
+
+    def flush(self) -> None:
+        """Send what waits in ``backlog``, in order, as far as the connection takes it."""
+        while self.backlog:
+            try:
+                self.socket.send(self.backlog[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            del self.backlog[0]
+
+    def _schedule_retry(self, delay_s: float) -> None:
+        """``flush`` again in ``delay_s``, then at doubling delays up to ``ROUTER_PING_S``
+        (from there each ping flushes): a connection being made is up within milliseconds."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop: the next heartbeat or ping flushes
+            return
+
+        def retry() -> None:
+            self._retry = None
+            if self.socket.closed:
+                return
+            self.flush()
+            if self.backlog and delay_s * 2 <= ROUTER_PING_S:
+                self._schedule_retry(delay_s * 2)
+
+        self._retry = loop.call_later(delay_s, retry)
 
     def try_send(self, msg: Message) -> None:
         """``send``, ignoring a socket error (best effort: aborts, shutdown)."""
@@ -70,24 +139,37 @@ class WorkerHandle:
         except zmq.ZMQError:
             pass
 
+    def close(self) -> None:
+        """Close its socket at once (nothing queued is sent) and drop the backlog."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        self.backlog.clear()
+        self.socket.close(0)
+
 
 class PoolRegistry:
     """Workers by role; a worker is alive while heartbeats arrive within ``heartbeat_timeout_s``."""
 
     def __init__(self, ctx: zmq.asyncio.Context, heartbeat_timeout_s: float = 2.0, *,
-                 keys: ClusterKeys | None = None, epoch: int = 0, model: str = "") -> None:
+                 keys: ClusterKeys | None = None, epoch: int = 0, model: str = "",
+                 forget_dead_after_s: float = 60.0) -> None:
         self.ctx = ctx
         self.model = model  # the fingerprint every worker must serve ("": not checked)
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.forget_dead_after_s = forget_dead_after_s
         self.keys = keys
         self.epoch = epoch
         self.workers: dict[str, WorkerHandle] = {}
         self._gone_sent: set[tuple[str, int, int]] = set()  # (instance, pid, incarnation) announced gone
 
-    def _connect(self, endpoint: str) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(zmq.PUSH)
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        """A PUSH socket to a worker's command socket; a plain (not asyncio) socket, so a
+        non-blocking send that cannot go out raises ``zmq.Again`` at once."""
+        sock = zmq.Socket(self.ctx, zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100000)
+        sock.setsockopt(zmq.SNDHWM, BACKLOG)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # a dead peer's reconnecting pipe queues nothing
         if self.keys is not None:
             self.keys.client(sock)
         sock.connect(endpoint)
@@ -96,14 +178,17 @@ class PoolRegistry:
     def add(self, info: WorkerReady) -> WorkerHandle:
         old = self.workers.pop(info.instance_id, None)
         if old is not None:
-            old.socket.close(0)
+            old.close()
         handle = WorkerHandle(info, self._connect(info.cmd_endpoint))
         self.workers[info.instance_id] = handle
         return handle
 
     def _refuse(self, info: WorkerReady, reason: str, permanent: bool = False) -> None:
         logger.warning("refused worker %s (pid %d at %s): %s", info.instance_id, info.pid, info.cmd_endpoint, reason)
-        sock = self._connect(info.cmd_endpoint)
+        sock = zmq.Socket(self.ctx, zmq.PUSH)  # queues until connected (not IMMEDIATE): the answer must go out
+        if self.keys is not None:
+            self.keys.client(sock)
+        sock.connect(info.cmd_endpoint)
         sock.setsockopt(zmq.LINGER, 1000)  # the answer still goes out after close
         try:
             sock.send(encode(RegistrationRefused(info.instance_id, reason, permanent)), zmq.NOBLOCK)
@@ -167,13 +252,20 @@ class PoolRegistry:
         return handle
 
     def heartbeat(self, hb: Heartbeat) -> None:
-        """``hb`` refreshes its worker's liveness, and its load unless it is a numbered
-        report older than the one kept (a late repeat from the heartbeat thread)."""
+        """``hb`` refreshes its worker's liveness and main-loop progress, and its load
+        unless it is a numbered report older than the one kept (a late repeat from the
+        heartbeat thread); it flushes the worker's backlog. A beat of another process
+        than the registered one (``incarnation``) changes nothing."""
         w = self.workers.get(hb.instance_id)
-        if w is not None:
-            w.last_seen = time.monotonic()
-            if w.load is None or not hb.seq or hb.seq >= w.load.seq:
-                w.load = hb
+        if w is None or (hb.incarnation and w.info.incarnation and hb.incarnation != w.info.incarnation):
+            return
+        now = time.monotonic()
+        w.last_seen = now
+        if hb.loop > w.loop:
+            w.loop, w.loop_at = hb.loop, now
+        if w.load is None or not hb.seq or hb.seq >= w.load.seq:
+            w.load = hb
+        w.flush()
 
     def draining(self, msg: Draining) -> None:
         """``msg``'s worker drains: route nothing new to it."""
@@ -185,9 +277,14 @@ class PoolRegistry:
     def ping(self) -> None:
         """``RouterPing`` to every registered worker (dead-looking ones too: a thawed
         worker then finds the router was there all along)."""
-        ping = RouterPing(self.epoch)
+        ping = encode(RouterPing(self.epoch))
         for w in self.workers.values():
-            w.try_send(ping)
+            w.flush()
+            if not w.backlog:  # a ping waits for nothing: without a connection it is dropped
+                try:
+                    w.socket.send(ping, zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
 
     def seen(self, instance_id: str) -> None:
         w = self.workers.get(instance_id)
@@ -196,9 +293,19 @@ class PoolRegistry:
 
     def is_alive(self, w: WorkerHandle) -> bool:
         """``w`` is still the registered incarnation of its instance (not replaced by a
-        restart) and heard from within the heartbeat timeout."""
-        return (self.workers.get(w.instance_id) is w
-                and time.monotonic() - w.last_seen <= self.heartbeat_timeout_s)
+        restart), heard from within the heartbeat timeout, and its main loop advanced
+        within its ``stall_timeout_s``."""
+        return self.workers.get(w.instance_id) is w and self._live(w, time.monotonic())
+
+    def _live(self, w: WorkerHandle, now: float) -> bool:
+        stall = w.info.stall_timeout_s
+        return now - w.last_seen <= self.heartbeat_timeout_s and not (stall > 0 and now - w.loop_at > stall)
+
+    def stalled(self, w: WorkerHandle) -> bool:
+        """``w`` heartbeats, but its main loop has not advanced for its ``stall_timeout_s``."""
+        stall = w.info.stall_timeout_s
+        now = time.monotonic()
+        return now - w.last_seen <= self.heartbeat_timeout_s and stall > 0 and now - w.loop_at > stall
 
     def mark_dead(self, instance_id: str) -> None:
         """Treat ``instance_id`` as dead now (its process exited) until it reports again."""
@@ -229,33 +336,63 @@ class PoolRegistry:
             if now - w.last_seen > gone_after_s:
                 self._announce_gone(w)
 
+    def forget_dead(self) -> list[WorkerHandle]:
+        """Forget every worker dead for ``forget_dead_after_s`` whose peers were told it
+        is gone (``PeerGone``; a wedged worker that still heartbeats is kept): close its
+        socket and drop it. Returns the forgotten handles."""
+        now = time.monotonic()
+        gone = []
+        for w in list(self.workers.values()):
+            if self._live(w, now):
+                w.dead_at = None
+                continue
+            if w.dead_at is None:
+                w.dead_at = now
+            key = (w.instance_id, w.info.pid, w.info.incarnation)
+            if now - w.dead_at >= self.forget_dead_after_s and key in self._gone_sent:
+                logger.warning("%s worker %s (pid %d) forgotten: dead for %.0f s", w.role, w.instance_id,
+                               w.info.pid, now - w.dead_at)
+                del self.workers[w.instance_id]
+                self._gone_sent.discard(key)
+                w.close()
+                gone.append(w)
+        return gone
+
     def alive(self, role: str | None = None) -> list[WorkerHandle]:
         now = time.monotonic()
-        return [w for w in self.workers.values()
-                if (role is None or w.role == role) and now - w.last_seen <= self.heartbeat_timeout_s]
+        return [w for w in self.workers.values() if (role is None or w.role == role) and self._live(w, now)]
 
     def routable(self, role: str | None = None) -> list[WorkerHandle]:
         """Alive and not draining: where new work may go."""
         return [w for w in self.alive(role) if not w.draining]
 
     def counts(self, state: str = "live") -> dict[str, int]:
-        """Instances per role: ``live`` (routable) or ``draining`` (alive, draining)."""
+        """Instances per role: ``live`` (routable), ``draining`` (alive, draining) or
+        ``dead`` (registered, not alive, not forgotten yet)."""
         out: dict[str, int] = {}
-        for w in self.alive():
-            if w.draining == (state == "draining"):
-                out[w.role] = out.get(w.role, 0) + 1
+        members = ([w for w in self.workers.values() if not self.is_alive(w)] if state == "dead"
+                   else [w for w in self.alive() if w.draining == (state == "draining")])
+        for w in members:
+            out[w.role] = out.get(w.role, 0) + 1
         return out
+
+    def max_model_len(self) -> int | None:
+        """The smallest ``max_model_len`` any live prefill, decode or pd worker reports
+        (a request may go through any of them); None: none reports one."""
+        lens = [w.info.max_model_len for w in self.alive() if w.info.max_model_len > 0
+                and w.role in (Role.PREFILL, Role.DECODE, Role.PD)]
+        return min(lens) if lens else None
 
     def get(self, instance_id: str) -> WorkerHandle | None:
         return self.workers.get(instance_id)
 
     def has_pool(self, role: str) -> bool:
-        """Some worker of ``role`` has registered (alive or not)."""
+        """Some worker of ``role`` is registered (alive, or dead and not forgotten yet)."""
         return any(w.role == role for w in self.workers.values())
 
     def close(self) -> None:
         for w in self.workers.values():
-            w.socket.close(0)
+            w.close()
         self.workers.clear()
 
 

@@ -79,6 +79,8 @@ class Router:
         video_encode_split: "auto" (a long Qwen-VL video is encoded in chunks of temporal
             patches over the encode pool's live instances, ``epd.router.encode_split``) or
             "off" (a request's items all go to one encoder).
+        forget_dead_after_s: a worker dead this long (seconds, and its peers told it is
+            gone) is forgotten: its socket closed, its pool gone with its last member.
         keys: the router's side of the cluster's CURVE keys (``epd.cluster_auth``, side
             ``ROUTER``): every socket authenticated and encrypted, the inbox admitting only
             the member key. None: no authentication, which only a loopback ``host`` allows.
@@ -95,10 +97,12 @@ class Router:
                  kv_failure_policy: str = "retry", encode_routing: str | None = None,
                  prefill_routing: str | None = None, decode_routing: str | None = None,
                  kv_overlap_weight: float = 1.0, keys: ClusterKeys | None = None, model: str = "",
-                 video_encode_split: str = "auto") -> None:
+                 video_encode_split: str = "auto", forget_dead_after_s: float = 60.0) -> None:
         from epd.cluster_auth import ROUTER, require_keys
 
         check_policy(max_retries, kv_failure_policy)
+        if forget_dead_after_s < 0:
+            raise ValueError(f"forget_dead_after_s must be >= 0, got {forget_dead_after_s}")
         if video_encode_split not in VIDEO_ENCODE_SPLITS:
             raise ValueError(f"video_encode_split must be one of {VIDEO_ENCODE_SPLITS}, got {video_encode_split!r}")
         require_keys(host, keys, "router's control socket", "--router-host")
@@ -110,7 +114,8 @@ class Router:
         # the inbox admits the member key only; the router's own key commands the workers
         self._auth = (keys.start_authenticator(self.ctx, lambda: self._count("auth_denied", "router", "router"))
                       if keys is not None else None)
-        self.registry = PoolRegistry(self.ctx, heartbeat_timeout_s, keys=keys, epoch=self.epoch, model=model)
+        self.registry = PoolRegistry(self.ctx, heartbeat_timeout_s, keys=keys, epoch=self.epoch, model=model,
+                                     forget_dead_after_s=forget_dead_after_s)
         self.mailbox = Mailbox(self.ctx, host, port, self.registry, {
             Heartbeat: self.registry.heartbeat, WorkerReady: self._on_ready, Draining: self.registry.draining,
             KVEvents: self._on_kv_events, WorkerStats: self._on_stats}, self._count, self._on_dead, keys=keys)
@@ -139,22 +144,33 @@ class Router:
 
     async def _ping_loop(self) -> None:
         """``RouterPing`` every ``ROUTER_PING_S`` (workers treat ``ROUTER_TIMEOUT_S`` of
-        silence as a lost router); ``PeerGone`` for workers silent past that; the
-        ``epd_pool_instances`` gauge."""
+        silence as a lost router); ``PeerGone`` for workers silent past that; forgets
+        the long dead (``forget_dead``); the ``epd_pool_instances`` gauge."""
         while True:
             await asyncio.sleep(ROUTER_PING_S)
             try:
                 self.registry.ping()
                 self.registry.announce_silent(self.registry.heartbeat_timeout_s + ROUTER_TIMEOUT_S + 1.0)
+                self.forget_dead()
                 self._export_instances()
             except Exception:  # never let bookkeeping stop the pings
                 import logging
 
                 logging.getLogger(__name__).exception("router ping loop")
 
+    def forget_dead(self) -> None:
+        """Forget the workers dead for ``forget_dead_after_s`` (``PoolRegistry.forget_dead``),
+        each death counted first, and what the routing policies kept about them."""
+        self.mailbox.check_deaths()  # a death is counted before its worker is forgotten
+        for w in self.registry.forget_dead():
+            self.mailbox.forget_deaths(w.instance_id)
+            self.kv_index.drop_instance(w.instance_id)
+            for policy in self.policies.values():
+                policy.forget(w.instance_id)
+
     def _export_instances(self) -> None:
         gauge = self.metrics.pool_instances
-        for state in ("live", "draining"):
+        for state in ("live", "draining", "dead"):
             counts = self.registry.counts(state)
             for role in Role:
                 gauge.labels(pool=role.value, state=state).set(counts.get(role, 0))
@@ -214,6 +230,12 @@ class Router:
 
     def has_pool(self, role: str) -> bool:
         return self.registry.has_pool(role)
+
+    def max_model_len(self, limit: int) -> int:
+        """``limit`` (the API's own), or less: the smallest ``max_model_len`` a live
+        prefill, decode or pd worker reports (``WorkerReady.max_model_len``)."""
+        live = self.registry.max_model_len()
+        return min(limit, live) if live is not None else limit
 
     # ---- inbound control messages -------------------------------------------------------
     def _dispatch(self, msg) -> None:

@@ -73,14 +73,19 @@ class CompletionService:
 
     ``settings`` is the API's ``ApiSettings``; ``metrics`` (``epd.metrics.Metrics`` or
     None) records per-request latencies; token-id prompts must lie in ``[0, vocab_size)``.
+    ``max_model_len``: the longest prompt + output served; ``live_max_model_len()``, when
+    given, says it now (no more than ``max_model_len``: the smallest the live workers
+    report, ``Router.max_model_len``), and each request is checked against that.
     """
 
     def __init__(self, tokenizer, processor: MultiModalProcessor, renderer: ChatPromptRenderer,
                  responder: CompletionResponder, state: ApiState, *, settings, model_name: str,
-                 max_model_len: int, vocab_size: int, metrics=None) -> None:
+                 max_model_len: int, vocab_size: int, metrics=None,
+                 live_max_model_len: Callable[[], int] | None = None) -> None:
         self.tokenizer, self.processor = tokenizer, processor
         self.renderer, self.responder, self.state = renderer, responder, state
         self.settings, self.model_name, self.max_model_len = settings, model_name, max_model_len
+        self.live_max_model_len = live_max_model_len or (lambda: max_model_len)
         self.vocab_size, self.metrics = vocab_size, metrics
         self.constraints = ConstraintChecker(tokenizer, vocab_size)
         self.constraints.warm_up()
@@ -164,7 +169,7 @@ class CompletionService:
                  constraint: StructuredOutputs | None = None) -> tuple[SamplingParams, list[str]]:
         """The request's sampling parameters and stop strings; ``max_tokens`` defaults
         to the context left (capped by ``settings.default_max_tokens``)."""
-        settings, max_model_len = self.settings, self.max_model_len
+        settings, max_model_len = self.settings, self.live_max_model_len()
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         if prompt_len >= max_model_len:
             raise BadRequest(f"the prompt has {prompt_len} tokens but max_model_len is {max_model_len}",

@@ -222,8 +222,10 @@ def _add_routes(app: FastAPI, service: CompletionService, router: Router, state:
 
     @app.get("/v1/models")
     async def models():
+        """The model's names; ``max_model_len``: the smallest any live worker serves, at most the API's."""
+        live = service.live_max_model_len()
         return {"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
-                                            "owned_by": "epd", "max_model_len": max_model_len}
+                                            "owned_by": "epd", "max_model_len": live}
                                            for name in (model_name, *service.settings.model_aliases)]}
 
     @app.get("/health")
@@ -271,7 +273,8 @@ def build_http_app(router: Router, tokenizer, processor: MultiModalProcessor, *,
                                                                          tool_parser=settings.tool_call_parser),
                                 CompletionResponder(router, model_name, LogprobFormatter(tokenizer)), state,
                                 settings=settings, model_name=model_name, max_model_len=max_model_len,
-                                vocab_size=vocab_size, metrics=metrics)
+                                vocab_size=vocab_size, metrics=metrics,
+                                live_max_model_len=lambda: router.max_model_len(max_model_len))
     _add_error_handlers(app, settings)
     _add_routes(app, service, router, state, model_name=model_name, max_model_len=max_model_len,
                 metrics_render=metrics_render)

@@ -90,8 +90,15 @@ def add_recovery_args(fr, d: LaunchConfig, launcher: bool = True) -> None:
                          "(default: %(default)s)")
     fr.add_argument("--token-timeout", type=float, default=d.token_timeout,
                     help="seconds a request may wait between two tokens (default: %(default)s)")
+    fr.add_argument("--forget-dead-after", type=non_negative_float, default=d.forget_dead_after,
+                    help="seconds after a worker is found dead (and its peers were told, at least 8 s after its "
+                         "last heartbeat unless its process was seen to exit) that the router forgets it: its "
+                         "socket closes, and a pool whose members are all forgotten is gone (default: %(default)s)")
     if not launcher:
         return
+    fr.add_argument("--stall-timeout", type=non_negative_float, default=d.stall_timeout,
+                    help="seconds a worker's main loop may spend in one iteration (its longest step) before the "
+                         "router counts it dead and its /live answers 503 (default: the worker's, 60; 0: never)")
     fr.add_argument("--kv-timeout", type=float, default=d.kv_timeout,
                     help="seconds a worker waits for one NIXL transfer before failing it (default: the worker's, 30)")
     fr.add_argument("--embedding-ttl", type=float, default=d.embedding_ttl,

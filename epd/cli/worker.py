@@ -52,6 +52,10 @@ def add_parser(sub) -> None:
     w.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="seconds a SIGTERM'd worker may take to finish or hand off its requests before it exits "
                         "(default: %(default)s; 0: stop at once)")
+    w.add_argument("--stall-timeout", type=non_negative_float, default=60.0,  # epd.workers.base.STALL_TIMEOUT_S
+                   help="seconds the main loop may spend in one iteration (the longest engine step) before the "
+                        "worker counts as wedged: the router routes nothing to it and /live answers 503 "
+                        "(default: %(default)s; 0: never)")
     w.add_argument("--ucx-net-devices", default=None,
                    help="UCX network devices for NIXL transfers, e.g. eth0 or mlx5_0:1 (default: $UCX_NET_DEVICES, "
                         "else the interface holding --advertise-host); UCX_TLS passes through from the environment")
@@ -137,6 +141,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                  kv_staging_mb=args.kv_staging_mb, keys=keys,
                                  kv_agents=args.kv_agents,
                                  http_port=args.http_port, drain_timeout_s=args.drain_timeout,
+                                 stall_timeout_s=args.stall_timeout,
                                  engine_kwargs=(engine_kwargs if role not in (Role.ENCODE, Role.TTS) else
                                                 {"tts_engine": tts_engine} if role == Role.TTS else {}),
                                  early_signals=early_signals))

@@ -130,6 +130,8 @@ class LaunchConfig:
     token_timeout: float = 120.0
     kv_timeout: float | None = None  # None: the worker's default
     embedding_ttl: float | None = None  # None: the worker's default
+    stall_timeout: float | None = None  # a worker's main loop without an iteration this long: wedged (None: 60)
+    forget_dead_after: float = 60.0  # seconds after which the router forgets a dead worker
     max_worker_restarts: int = 5
     # OpenAI API
     api_key: str | None = None  # None: $EPD_API_KEY, else none
@@ -188,6 +190,9 @@ class LaunchConfig:
                 raise LaunchSpecError(f"tts_engine: {e}") from None
         if self.kv_agents not in KV_AGENTS:
             raise LaunchSpecError(f"kv_agents must be one of {KV_AGENTS}, got {self.kv_agents!r}")
+        if not self.forget_dead_after >= 0 or (self.stall_timeout is not None and not self.stall_timeout >= 0):
+            raise LaunchSpecError(f"forget_dead_after and stall_timeout must be >= 0, got {self.forget_dead_after}, "
+                                  f"{self.stall_timeout}")
         if not self.kv_overlap_weight >= 0:  # also rejects nan
             raise LaunchSpecError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight}")
         if not self.realtime_idle_timeout >= 0:  # also rejects nan
@@ -221,7 +226,7 @@ class LaunchConfig:
 
     def forwarded_worker_args(self) -> list[str]:
         """``epd worker`` flags for the worker settings given: the engine flags of
-        :data:`WORKER_ENGINE_FLAGS`, ``--kv-timeout`` and ``--embedding-ttl``."""
+        :data:`WORKER_ENGINE_FLAGS`, ``--kv-timeout``, ``--embedding-ttl`` and ``--stall-timeout``."""
         out = []
         for flag, typ in WORKER_ENGINE_FLAGS:
             value = getattr(self, flag[2:].replace("-", "_"))
@@ -235,4 +240,6 @@ class LaunchConfig:
             out += ["--kv-timeout", str(self.kv_timeout)]
         if self.embedding_ttl is not None:
             out += ["--embedding-ttl", str(self.embedding_ttl)]
+        if self.stall_timeout is not None:
+            out += ["--stall-timeout", str(self.stall_timeout)]
         return out

@@ -47,6 +47,10 @@ class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
     startup_s: float = 0.0
     incarnation: int = 0  # random per process: a repeat of this WorkerReady is the same member re-joining
     model: str = ""  # epd.models.checkpoints.model_fingerprint of the checkpoint it serves ("": not said)
+    #: longest prompt + output its engine serves, after its KV cache lowered it (0: no engine, not said)
+    max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: seconds its main loop may go without an iteration before it counts as wedged (0: not judged)
+    stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -57,6 +61,13 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     number; 0: not numbered). The router keeps the highest-numbered report, and
     a decode worker's report numbered above the last one the router had when a
     ``KVReserved`` arrived includes that reservation (``epd.router.policies``).
+
+    ``loop``: iterations of the worker's main loop so far (every beat carries the
+    current count, also the thread's repeats): a count that stops advancing for the
+    worker's ``WorkerReady.stall_timeout_s`` means a wedged loop (0: not counted).
+    ``incarnation``: its ``WorkerReady.incarnation``; a beat of another process under
+    the same instance id (a replacement the router has not accepted yet) refreshes
+    nothing (0: not said).
     """
 
     instance_id: str
@@ -65,6 +76,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     num_free_blocks: int
     num_blocks: int
     seq: int = 0
+    loop: Annotated[int, msgspec.Meta(ge=0)] = 0
+    incarnation: int = 0
 
 
 class KVEvents(msgspec.Struct, tag="kv_events", frozen=True):

@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import zmq
 
@@ -73,6 +74,9 @@ HEARTBEAT_S = 0.25
 FREEZE_S = 1.5
 #: seconds between two WorkerReady while the router has not answered
 REGISTER_RETRY_S = 1.0
+#: default ``--stall-timeout``: seconds the main loop may spend in one iteration (the
+#: longest engine step, a Whisper pass) before the worker counts as wedged
+STALL_TIMEOUT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -97,6 +101,7 @@ class WorkerArgs:
     http_port: int = 0  # /health and /metrics on host:http_port (0: none)
     drain_timeout_s: float = 30.0  # SIGTERM: seconds to finish what the worker holds
     router_timeout_s: float = ROUTER_TIMEOUT_S  # no RouterPing read for this long: the router is lost
+    stall_timeout_s: float = STALL_TIMEOUT_S  # main loop without an iteration this long: wedged (0: never judged)
     early_signals: list[int] = field(default_factory=list)  # SIGTERM/SIGINT caught before the worker existed
 
 
@@ -143,6 +148,8 @@ class BaseWorker:
         self._last_hb: Heartbeat | None = None
         self._last_tick = time.monotonic()
         self._frozen_at = 0.0
+        self._loop = 0  # main-loop iterations: the progress every heartbeat carries
+        self._loop_at = time.monotonic()  # when the main loop last began an iteration
         self._hb_seq = 0
         spec = os.environ.get("EPD_INJECT_HANDLER_ERROR", "")  # read once: handle() runs per message
         self._inject: tuple[str, str, int] | None = None
@@ -204,9 +211,12 @@ class BaseWorker:
     def announce(self, regions: list[Region], kv_layout=None) -> None:
         """Tell the router this worker is ready (repeated until it answers), and start
         heartbeating right away (the router counts a worker silent for 2 s as dead)."""
+        engine = getattr(self, "engine", None)
         self._ready_msg = WorkerReady(self.role, self.instance_id, os.getpid(), self.cmd_endpoint,
                                       self.transport.metadata(), regions, kv_layout, time.monotonic() - self.t0,
-                                      incarnation=secrets.randbits(63) or 1, model=self._model_fingerprint())
+                                      incarnation=secrets.randbits(63) or 1, model=self._model_fingerprint(),
+                                      max_model_len=engine.config.max_model_len if engine is not None else 0,
+                                      stall_timeout_s=self.args.stall_timeout_s)
         self._send_ready()
         self.load()  # the first load report, which the heartbeat thread repeats until the loop runs
         self._start_heartbeats()
@@ -240,34 +250,43 @@ class BaseWorker:
 
     def _start_heartbeats(self) -> None:
         if self._beat_thread is None:
-            self._last_tick = time.monotonic()
+            self._last_tick = self._loop_at = time.monotonic()
             self._beat_thread = threading.Thread(target=self._beat_loop, name="epd-heartbeat", daemon=True)
             self._beat_thread.start()
 
     # ---- liveness ---------------------------------------------------------------------
     def _beat_loop(self) -> None:
         """Heartbeat thread: repeats the main loop's latest load report every
-        ``HEARTBEAT_S`` on its own socket, so a long engine step (a big prefill
-        chunk, a Whisper pass) never looks like a dead worker, while a killed or
-        frozen process goes silent. Notes when the process itself was frozen."""
+        ``HEARTBEAT_S`` on its own socket, with the loop's current iteration count,
+        so a long engine step (a big prefill chunk, a Whisper pass) never looks like a
+        dead worker, a killed or frozen process goes silent, and a wedged main loop
+        shows as a count that stops (the router judges it by ``stall_timeout_s``).
+        Notes when the process itself was frozen, or its loop stalled: work begun
+        before then may have been retried elsewhere (``frozen_since``)."""
         sock = self.router_socket()
         sock.setsockopt(zmq.LINGER, 0)
         try:
             while not self._beat_stop.wait(HEARTBEAT_S):
                 now = time.monotonic()
-                if now - self._last_tick > FREEZE_S:
+                if now - self._last_tick > FREEZE_S or self.loop_stalled(now):
                     self._frozen_at = now
                 self._last_tick = now
                 hb = self._last_hb
                 if hb is not None:
                     try:
-                        sock.send(encode(hb), zmq.NOBLOCK)
+                        sock.send(encode(msgspec.structs.replace(hb, loop=self._loop)), zmq.NOBLOCK)
                     except zmq.Again:  # router not reachable right now: the next beat tries again
                         pass
         except zmq.ZMQError:  # context terminated: the worker is closing
             pass
         finally:
             sock.close(0)
+
+    def loop_stalled(self, now: float | None = None) -> bool:
+        """The main loop has begun no iteration for over ``stall_timeout_s`` (a hung
+        handler or step): the router routes nothing here and ``/live`` answers 503."""
+        limit = self.args.stall_timeout_s
+        return limit > 0 and (time.monotonic() if now is None else now) - self._loop_at > limit
 
     def frozen_since(self, t: float) -> bool:
         """True when the process was frozen for more than ``FREEZE_S`` after monotonic
@@ -276,15 +295,22 @@ class BaseWorker:
         return self._frozen_at > t or time.monotonic() - self._last_tick > FREEZE_S
 
     def _inject_fault(self, msg: Message) -> None:
-        """Fault injection for the error-attribution tests: ``EPD_INJECT_HANDLER_ERROR`` =
-        ``<message type>:<internal|capacity>:<count>`` makes handling the first ``count``
-        messages of that type raise ``InternalError`` / ``CapacityError`` here."""
+        """Fault injection for the failure tests: ``EPD_INJECT_HANDLER_ERROR`` =
+        ``<message type>:<internal|capacity|stall>:<count>`` makes handling the first
+        ``count`` messages of that type raise ``InternalError`` / ``CapacityError`` here,
+        or (``stall``) block the main loop, as a hung handler would, until a signal
+        (the heartbeat thread goes on beating)."""
         if self._inject is None:
             return
         kind_name, fault, count = self._inject
         if type(msg).__name__ != kind_name or self._injected >= count:
             return
         self._injected += 1
+        if fault == "stall":
+            logger.warning("%s: injected stall: the main loop blocks handling %s", self.instance_id, kind_name)
+            while self.running and not self._signals:
+                time.sleep(0.05)
+            return
         from epd.errors import InternalError
 
         raise (CapacityError if fault == "capacity" else InternalError)(f"injected {fault} fault")
@@ -412,7 +438,8 @@ class BaseWorker:
         self.update_metrics(s)
         self._hb_seq += 1  # numbered, so the router can tell a stale repeat from a newer report
         hb = Heartbeat(self.instance_id, int(s.get("num_running", 0)), int(s.get("num_waiting", 0)),
-                       int(s.get("num_free_blocks", 0)), int(s.get("num_blocks", 0)), seq=self._hb_seq)
+                       int(s.get("num_free_blocks", 0)), int(s.get("num_blocks", 0)), seq=self._hb_seq,
+                       loop=self._loop, incarnation=self._ready_msg.incarnation if self._ready_msg else 0)
         self._last_hb = hb  # the heartbeat thread repeats it (same number) while the loop is busy
         return hb
 
@@ -426,6 +453,8 @@ class BaseWorker:
             self._http.start()
         try:
             while self.running:
+                self._loop += 1  # progress the heartbeats carry: a wedged loop stops counting
+                self._loop_at = time.monotonic()
                 busy = self.has_work()
                 if self.cmd.poll(0 if busy else 2):
                     self._drain()

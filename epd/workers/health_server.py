@@ -2,8 +2,9 @@
 
 - ``GET /health``: 200 while the router has this worker registered and it is not
   draining (a Kubernetes readiness probe: the worker takes traffic), else 503;
-- ``GET /live``: 200 while the process runs its heartbeat thread (a liveness probe:
-  a long engine step is not a hang);
+- ``GET /live``: 200 while the process runs its heartbeat thread and its main loop
+  has begun an iteration within ``--stall-timeout`` (a liveness probe: a long engine
+  step is not a hang, a loop wedged longer than that is), else 503;
 - ``GET /metrics``: this worker's Prometheus series (``epd.metrics``), for a
   PodMonitor when the worker runs on another host than the API.
 
@@ -52,8 +53,10 @@ class HealthServer:
                     body, ctype = render_latest()
                     return self._reply(200, body, ctype)
                 if self.path == "/live":
-                    alive = w._beat_thread is not None and w._beat_thread.is_alive()
-                    return self._json(200 if alive else 503, {"live": alive})
+                    beating = w._beat_thread is not None and w._beat_thread.is_alive()
+                    stalled = w.loop_stalled()
+                    alive = beating and not stalled
+                    return self._json(200 if alive else 503, {"live": alive, "loop_stalled": stalled})
                 if self.path == "/health":
                     ready = w.registered and not w.draining and w.running
                     return self._json(200 if ready else 503, {
