@@ -105,9 +105,19 @@ def test_a_resumed_request_continues_under_its_grammar(llm, kw):
 
 
 def test_prior_output_that_breaks_the_grammar_is_refused(llm):
+    """A compiled grammar refuses the request at once; one still compiling (off the engine
+    loop) ends it with finish_reason "error" once compiled. Nothing stays behind."""
     tok = llm.engine.tokenizer
     bad = tok.encode("hello") + tok.encode("nope")
-    params = SamplingParams(structured_outputs=StructuredOutputs(choice=["yes"]), num_prior_output_tokens=2)
+    spec = StructuredOutputs(choice=["yes", "no"])
+    params = SamplingParams(structured_outputs=spec, num_prior_output_tokens=2)
+    llm.engine.add_request("bad-compiling", bad, params)
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += llm.engine.step()
+    (out,) = [o for o in outs if o.request_id == "bad-compiling"]
+    assert out.outputs[0].finish_reason == "error" and "does not follow" in out.outputs[0].stop_reason
+    assert llm.engine.grammars.is_compiled(spec)
     with pytest.raises(InvalidRequestError, match="does not follow"):
         llm.engine.add_request("bad", bad, params)
     assert not llm.engine.has_unfinished_requests()
