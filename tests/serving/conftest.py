@@ -86,7 +86,10 @@ def launch(model: str | None, pools: str | None, *extra: str, timeout_s: float =
     deadline = time.monotonic() + timeout_s
     while not ready.is_set():
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            with contextlib.suppress(psutil.Error):  # its workers too: none may outlive a failed start
+                for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                    p.kill()
+            proc.wait()
             pytest.fail(f"epd launch did not start (rc={proc.poll()}):\n" + "".join(lines))
         time.sleep(0.2)
     children = psutil.Process(proc.pid).children(recursive=True)
