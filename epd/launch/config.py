@@ -78,6 +78,11 @@ WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-n
                        ("--tts-engine", str))
 
 
+#: ``epd.messages.MAX_TENSOR_BYTES`` in MiB, the largest tensor a worker decodes (written out here:
+#: the messages pull in torch, which ``epd worker`` imports only once it can be stopped cleanly)
+WIRE_TENSOR_MB = 256.0
+
+
 @dataclass(slots=True, frozen=True)
 class LaunchConfig:
     """Everything ``epd launch`` was asked for; one field per ``epd launch`` flag
@@ -146,7 +151,7 @@ class LaunchConfig:
     video_fps: float = 2.0  # frames sampled per second of video (a request's media_io_kwargs.video.fps wins)
     max_video_frames: int = 32  # frames sampled from one video at most
     max_video_seconds: float = 600.0  # longest video accepted (declared duration)
-    max_mm_item_mb: float = 256.0  # one media item's processed tensors; at most the wire's MAX_TENSOR_BYTES
+    max_mm_item_mb: float = WIRE_TENSOR_MB  # one media item's processed tensors; at most WIRE_TENSOR_MB
     max_realtime_sessions: int = 64
     realtime_idle_timeout: float = 600.0  # seconds without a client event that close a realtime session; 0: never
     allowed_origins: str = ""  # comma-separated; none: browsers (which send Origin) are refused on /v1/realtime
@@ -203,11 +208,9 @@ class LaunchConfig:
         if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < float("inf"):  # also nan
             raise LaunchSpecError(f"kv_cache_memory_gb must be a finite number > 0 (GiB of KV cache per worker "
                                   f"rank), got {self.kv_cache_memory_gb}")
-        from epd.messages.tensors import MAX_TENSOR_BYTES
-
-        if not 0 < self.max_mm_item_mb * 2**20 <= MAX_TENSOR_BYTES:  # also rejects nan
-            raise LaunchSpecError(f"max_mm_item_mb must be > 0 and at most {MAX_TENSOR_BYTES / 2**20:g} (the "
-                                  f"largest tensor a worker accepts), got {self.max_mm_item_mb}")
+        if not 0 < self.max_mm_item_mb <= WIRE_TENSOR_MB:  # also rejects nan
+            raise LaunchSpecError(f"max_mm_item_mb must be > 0 and at most {WIRE_TENSOR_MB:g} (the largest tensor "
+                                  f"a worker accepts), got {self.max_mm_item_mb}")
         if not self.max_inflight_body_mb >= self.max_body_mb > 0:  # also rejects nan
             raise LaunchSpecError(f"max_inflight_body_mb ({self.max_inflight_body_mb}) must be >= max_body_mb "
                                   f"({self.max_body_mb}) > 0: a body of the largest size must fit")

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 
 from epd.encoders.media_limits import MediaLimits, MediaTooLargeError, UnsupportedMediaError
 from epd.encoders.processor import MultiModalProcessor
-from epd.launch.config import LaunchConfig
+from epd.launch.config import WIRE_TENSOR_MB, LaunchConfig
 from epd.launch.spec import LaunchSpecError
 from epd.messages import MAX_TENSOR_BYTES
 from epd.models.tiny import create_tiny_model
@@ -41,7 +41,7 @@ def _png(size) -> bytes:
 
 def test_the_api_limit_is_what_a_worker_decodes():
     assert MediaLimits().max_item_bytes == MAX_TENSOR_BYTES
-    assert LaunchConfig().max_mm_item_mb * 2**20 == MAX_TENSOR_BYTES
+    assert LaunchConfig().max_mm_item_mb * 2**20 == WIRE_TENSOR_MB * 2**20 == MAX_TENSOR_BYTES
     with pytest.raises(LaunchSpecError, match="max_mm_item_mb"):
         LaunchConfig(max_mm_item_mb=257)
     with pytest.raises(LaunchSpecError, match="max_inflight_body_mb"):
