@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -181,3 +182,18 @@ class Reference:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def start_and_drop(server: Server, prompt: list[int], after_s: float) -> threading.Thread:
+    """Send ``prompt`` and hang up ``after_s`` seconds later (mid-prefill)."""
+
+    def run() -> None:
+        body = {"model": server.model, "prompt": prompt, "max_tokens": 64, "temperature": 0}
+        try:  # not streamed: the API watches the connection and aborts within 0.25 s of the hang-up
+            httpx.post(server.url + "/v1/completions", json=body, timeout=after_s)
+        except httpx.HTTPError:
+            pass
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t

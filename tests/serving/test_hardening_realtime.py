@@ -23,12 +23,12 @@ import pytest
 import soundfile as sf
 import torch
 import torchaudio.functional as F
-from openai import AsyncOpenAI
 from websockets.exceptions import ConnectionClosed
 
 from epd.api.realtime.protocol import MAX_APPEND_BYTES
 from tests.serving.conftest import launch
 from tests.serving.public_bugs_helpers import metric
+from tests.serving.test_realtime import connect, until
 
 pytestmark = pytest.mark.slow
 SPEECH = Path(__file__).resolve().parents[1] / "data" / "speech"
@@ -52,23 +52,6 @@ def clip() -> str:
     data = np.tile(pcm, 2).tobytes()
     assert 3 * 2**20 < len(data) <= MAX_APPEND_BYTES
     return base64.b64encode(data).decode()
-
-
-def connect(server):
-    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    return client.realtime.connect(model=server.model)
-
-
-async def until(conn, pred, log: list | None = None):
-    """Read events until ``pred(event)``; returns that event (all of them go to ``log``)."""
-    async def loop():
-        while True:
-            ev = await conn.recv()
-            if log is not None:
-                log.append(ev)
-            if pred(ev):
-                return ev
-    return await asyncio.wait_for(loop(), TIMEOUT_S)
 
 
 def audio_item(item_id: str, clip: str) -> dict:

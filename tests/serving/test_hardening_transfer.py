@@ -22,7 +22,7 @@ import pytest
 from epd.models.tiny import create_tiny_model
 from tests.serving.conftest import Server, launch
 from tests.serving.media import data_url, png
-from tests.serving.public_bugs_helpers import assert_idle, metric
+from tests.serving.public_bugs_helpers import assert_idle, metric, start_and_drop
 
 pytestmark = pytest.mark.slow
 
@@ -50,21 +50,6 @@ def _complete(server: Server, prompt: list[int], max_tokens: int, timeout: float
     return out.choices[0].text
 
 
-def _drop_after(server: Server, prompt: list[int], after_s: float) -> threading.Thread:
-    """Send ``prompt``, hang up ``after_s`` seconds later."""
-
-    def run() -> None:
-        body = {"model": server.model, "prompt": prompt, "max_tokens": 64, "temperature": 0}
-        try:
-            httpx.post(server.url + "/v1/completions", json=body, timeout=after_s)
-        except httpx.HTTPError:
-            pass
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
-
-
 def test_cancelled_write_still_in_flight_keeps_its_blocks_fenced(llama_dir, tmp_path):
     """Item 1: a client hangs up while its prompt's KV writes are in flight and NIXL
     cannot cancel them. The prefill worker must not tell the decode worker the blocks
@@ -83,7 +68,7 @@ def test_cancelled_write_still_in_flight_keeps_its_blocks_fenced(llama_dir, tmp_
         before = server.workers()
 
         hold.touch()
-        dropped = _drop_after(server, long, after_s=3.0)
+        dropped = start_and_drop(server, long, after_s=3.0)
         _wait_for(Path(str(hold) + ".held"))  # its layer writes are posted and stuck
         dropped.join()
         time.sleep(1.0)  # the API's abort reaches both workers

@@ -11,14 +11,13 @@ long final chunk on a slow machine would.
 
 from __future__ import annotations
 
-import threading
 import time
 
-import httpx
 import pytest
 
 from epd.models.tiny import create_tiny_model
 from tests.serving.conftest import Server, launch
+from tests.serving.public_bugs_helpers import start_and_drop
 
 pytestmark = pytest.mark.slow
 
@@ -35,21 +34,6 @@ def _complete(server: Server, prompt: list[int], max_tokens: int) -> str:
     out = server.client().completions.create(model=server.model, prompt=prompt, max_tokens=max_tokens,
                                              temperature=0, extra_body={"ignore_eos": True})
     return out.choices[0].text
-
-
-def _start_and_drop(server: Server, prompt: list[int], after_s: float) -> threading.Thread:
-    """Send ``prompt`` and hang up ``after_s`` seconds later (mid-prefill)."""
-
-    def run() -> None:
-        body = {"model": server.model, "prompt": prompt, "max_tokens": 64, "temperature": 0}
-        try:  # not streamed: the API watches the connection and aborts within 0.25 s of the hang-up
-            httpx.post(server.url + "/v1/completions", json=body, timeout=after_s)
-        except httpx.HTTPError:
-            pass
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t
 
 
 def _idle(server: Server, before: dict, timeout_s: float = 60.0) -> dict:
@@ -81,7 +65,7 @@ def test_aborted_prefill_never_writes_into_reused_blocks(llama_dir):
         _complete(server, short, 1)  # round-robin: the next prefill goes to the first worker again
         before = server.workers()
 
-        dropped = _start_and_drop(server, long, after_s=0.5)  # aborted before its layer-1 write
+        dropped = start_and_drop(server, long, after_s=0.5)  # aborted before its layer-1 write
         time.sleep(2.5)  # past any fixed quarantine, before the stale write lands
         got = _complete(server, short, 1500)  # the other prefill worker, the same decode worker
         dropped.join()
@@ -106,7 +90,7 @@ def test_bug_log_rows_1_and_3_disconnect_during_transfer_leaks_nothing(llama_dir
         short = [200 + k for k in range(24)]
         expected = _complete(server, short, 32)
         before = server.workers()
-        threads = [_start_and_drop(server, [60 + (13 * i + 5 * k) % 400 for k in range(16 * LONG_BLOCKS + 5)], 0.2)
+        threads = [start_and_drop(server, [60 + (13 * i + 5 * k) % 400 for k in range(16 * LONG_BLOCKS + 5)], 0.2)
                    for i in range(12)]
         for t in threads:
             t.join()
