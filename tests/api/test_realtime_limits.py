@@ -56,6 +56,9 @@ class StubRouter:
     def has_pool(self, role):  # no tts pool: sessions answer in text
         return False
 
+    def max_model_len(self, limit: int) -> int:  # no worker serves less than the API's own
+        return limit
+
     async def generate(self, req):
         await self.gate.wait()
         yield TokenEvent([69], finished=True, finish_reason="stop")
