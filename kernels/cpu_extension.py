@@ -33,14 +33,19 @@ _TRIED = False
 
 def _build_directory(sources: list[str], cflags: list[str]) -> Path:
     """``$TORCH_EXTENSIONS_DIR/epd_cpu_kernels_<hash>``: one build per content of the sources
-    (the header included) and flags, so two checkouts of different code on one machine (a
-    worktree, a fresh clone) never rebuild each other's extension in a shared directory."""
+    (the header included), flags and torch install, so two checkouts of different code or two
+    venvs on one machine (a worktree, a fresh clone) never rebuild each other's extension in a
+    shared directory."""
+    import torch.utils.cpp_extension
     from torch.utils.cpp_extension import _get_build_directory
 
     h = hashlib.sha256()
     for path in sorted([*sources, str(_CSRC / "cpu_kernels.h")]):
         h.update(Path(path).name.encode() + b"\0" + Path(path).read_bytes())
     h.update(" ".join(cflags).encode())
+    # the torch it compiles against (its headers' path stands for the venv): a venv's build
+    # never serves another's torch, and two venvs never rewrite each other's build.ninja
+    h.update(f"{torch.__version__}|{torch.utils.cpp_extension.include_paths()[0]}".encode())
     root = Path(_get_build_directory("epd_cpu_kernels", verbose=False)).parent
     return root / f"epd_cpu_kernels_{h.hexdigest()[:12]}"
 
