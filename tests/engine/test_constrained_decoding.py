@@ -124,13 +124,23 @@ def test_prior_output_that_breaks_the_grammar_is_refused(llm):
 
 
 def test_invalid_constraints_are_refused_before_anything_runs(llm):
-    for spec, match in ((StructuredOutputs(json='{"type": "nonsense"}'), "Invalid type"),
-                        (StructuredOutputs(regex="a(b"), "unclosed group"),
-                        (StructuredOutputs(grammar="start: undefined_rule"), "undefined_rule"),
-                        (StructuredOutputs(json="[1, 2]"), "must be an object")):
+    """A constraint that does not compile ends its request alone (finish_reason "error",
+    the compiler's message as reason) before any token of it runs; the check the API does
+    first (``GrammarCompiler.check``) raises the same message."""
+    cases = ((StructuredOutputs(json='{"type": "nonsense"}'), "Invalid type"),
+             (StructuredOutputs(regex="a(b"), "unclosed group"),
+             (StructuredOutputs(grammar="start: undefined_rule"), "undefined_rule"),
+             (StructuredOutputs(json="[1, 2]"), "must be an object"))
+    for i, (spec, match) in enumerate(cases):
         with pytest.raises(InvalidRequestError, match=match):
-            llm.engine.add_request("x", [5, 6, 7], SamplingParams(structured_outputs=spec))
-    assert not llm.engine.has_unfinished_requests()
+            llm.engine.grammars.check(spec)
+        llm.engine.add_request(f"x{i}", [5, 6, 7], SamplingParams(structured_outputs=spec))
+    outs = {}
+    while llm.engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0] for o in llm.engine.step()})
+    for i, (_, match) in enumerate(cases):
+        assert outs[f"x{i}"].finish_reason == "error" and re.search(match, outs[f"x{i}"].stop_reason), outs[f"x{i}"]
+        assert outs[f"x{i}"].token_ids == []
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputs(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="exactly one"):
