@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import struct
 from fractions import Fraction
 from typing import Any
@@ -171,7 +172,8 @@ def decode_audio(
     try:
         f = sf.SoundFile(io.BytesIO(buf))
     except (RuntimeError, ValueError, TypeError, OSError, EOFError) as e:
-        raise CorruptMediaError(f"cannot decode audio header: {e}; {_AUDIO_ACCEPTED}", modality="audio") from e
+        why = re.sub(r"^Error opening <[^>]*>: ", "", str(e))  # soundfile names its BytesIO object
+        raise CorruptMediaError(f"cannot decode audio header: {why}; {_AUDIO_ACCEPTED}", modality="audio") from e
     with f:
         fmt = _SF_FORMATS.get(f.format)
         if fmt is None:

@@ -19,8 +19,8 @@ __all__ = ["BodyBudget", "BodyBudgetFull", "budget_full"]
 
 def budget_full(limit_bytes: int) -> JSONResponse:
     """The 503 (with ``Retry-After``) for a body that does not fit a ``limit_bytes`` budget now."""
-    return error_response(503, f"the server is already reading {limit_bytes} bytes of request bodies, its limit "
-                               f"(--max-inflight-body-mb); retry later")
+    return error_response(503, f"this body does not fit the request bodies the server may read at once "
+                               f"({limit_bytes} bytes, --max-inflight-body-mb); retry later")
 
 
 class BodyBudgetFull(Exception):

@@ -144,6 +144,8 @@ class BaseWorker:
 
         self.metrics = get_metrics()
         self.labels = {"pool": self.role, "instance": self.instance_id}
+        for name in ("auth_denied", "transfers_unterminated"):  # at 0 from the start, so alerts on them have data
+            getattr(self.metrics, name).labels(**self.labels)
         self._counted: dict[str, float] = {}
         self._last_hb: Heartbeat | None = None
         self._last_tick = time.monotonic()
