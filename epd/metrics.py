@@ -158,6 +158,9 @@ class Metrics:
             label ``policy`` (the pool's routing policy: kv, free-kv, media-affinity,
             least-loaded, round-robin; ``video-split``: an encoder sent a chunk of a long
             video besides the policy's pick); ``epd_routing_decisions_total``.
+        transfers_unterminated: requests whose released NIXL transfers were still in
+            flight ``--kv-timeout`` after their release (their blocks or buffer stay
+            fenced until they terminate or their peer is gone).
         auth_denied: CURVE handshakes this process's ZAP handler refused: a client key
             that is not the other side's (a member key at a worker's command socket,
             the router key or a stranger's at the router's inbox); ``pool="router"``

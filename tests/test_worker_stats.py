@@ -25,7 +25,8 @@ def _worker_stats(model_dir: str, **config) -> dict:
     cfg = EngineConfig(model_dir, dtype="float32", kv_cache_memory_gb=0.01, **config)
     engine = SimpleNamespace(config=cfg, stats=lambda: {"num_blocks": 8, "prefix_cache_query_tokens": 32,
                                                         "prefix_cache_hit_tokens": 16})
-    fake = SimpleNamespace(engine=engine, staging=None, kv_requests=lambda: 0)
+    fake = SimpleNamespace(engine=engine, staging=None, kv_requests=lambda: 0,
+                           fetcher=SimpleNamespace(stats=lambda: {}))
     return EngineWorker.stats(fake)
 
 
