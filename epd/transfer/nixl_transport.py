@@ -66,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 _BACKEND = "UCX"
 _MAX_METADATA_BYTES = 16 << 20
+#: notifications kept unread at most (``get_notifs`` empties the buffer)
+_MAX_BUFFERED_NOTIFS = 1 << 16
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+/-]{0,127}")
 
 
@@ -263,6 +265,7 @@ class NixlTransport(TransferHold):
         self._local: RegionTable | None = None
         self._peers: dict[str, _Peer] = {}
         self._notifs: dict[str, list[bytes]] = {}
+        self._num_buffered = 0  # notifications in ``_notifs``
         self._live: weakref.WeakSet[Transfer] = weakref.WeakSet()
         self._cancelling: set[Transfer] = set()  # released, not yet terminated (kept alive to be polled)
         self._init_hold(name)
@@ -502,7 +505,13 @@ class NixlTransport(TransferHold):
         new = self._agent.get_new_notifs()
         for src, msgs in new.items():
             key = src.decode("utf-8", "replace") if isinstance(src, bytes) else str(src)
+            room = _MAX_BUFFERED_NOTIFS - self._num_buffered
+            if len(msgs) > room:  # a process that reads none (or a flooding peer): never unbounded
+                logger.warning("%s: %d notification(s) from %s dropped: %d unread already", self.name,
+                               len(msgs) - room, key, self._num_buffered)
+                msgs = msgs[:room]
             self._notifs.setdefault(key, []).extend(bytes(m) for m in msgs)
+            self._num_buffered += len(msgs)
         self._post_held()
         for t in list(self._cancelling):
             t._settle()
@@ -516,15 +525,34 @@ class NixlTransport(TransferHold):
     def get_notifs(self) -> dict[str, list[bytes]]:
         """New notifications {peer name: [msg, ...]} since the last call. Also drives UCX
         progress: a process that is the *target* of transfers must call this often."""
-        self._require_open("get_notifs")
+        self.progress()
+        out, self._notifs, self._num_buffered = self._notifs, {}, 0
+        return out
+
+    def progress(self) -> None:
+        """Drive UCX once. Without NIXL's progress thread, a new endpoint wires up, and a
+        notification posted on one that is not wired up yet leaves, only while this agent
+        is progressed (a handful of rounds, each side answering the other): a notification
+        sent by a process that then never calls this is never delivered. A worker calls
+        it every loop turn. Notifications that arrive are kept for ``get_notifs``.
+
+        Raises:
+            TransferError: UCX progress failed.
+        """
+        self._require_open("progress")
         try:
             self._progress()
         except Exception as e:
-            raise TransferError(f"agent {self.name!r}: get_notifs failed: {type(e).__name__}: {e}") from e
-        out, self._notifs = self._notifs, {}
-        return out
+            raise TransferError(f"agent {self.name!r}: progress failed: {type(e).__name__}: {e}") from e
 
     def send_notif(self, peer: str, msg: bytes) -> None:
+        """Post a notification to ``peer``; it leaves as this agent is progressed (see
+        ``progress``).
+
+        Raises:
+            TypeError: ``msg`` is not bytes.
+            TransferError: unknown peer, or NIXL refused it.
+        """
         agent = self._require_open("send_notif")
         if not isinstance(msg, bytes):
             raise TypeError(f"msg must be bytes, got {type(msg).__name__}")
@@ -534,6 +562,7 @@ class NixlTransport(TransferHold):
             agent.send_notif(peer, msg)
         except Exception as e:
             raise TransferError(f"send_notif to peer {peer!r} failed: {type(e).__name__}: {e}") from e
+        self._progress_quietly()
 
     # -- teardown -----------------------------------------------------------------------
 

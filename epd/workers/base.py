@@ -458,9 +458,10 @@ class BaseWorker:
                 self._loop += 1  # progress the heartbeats carry: a wedged loop stops counting
                 self._loop_at = time.monotonic()
                 busy = self.has_work()
-                if self.cmd.poll(0 if busy else 2):
+                if self.cmd.poll(0 if busy else 2):  # (milliseconds)
                     self._drain()
                 self._check_router()  # right after reading every queued command
+                self.transport.progress()  # what this agent posted (notifications) leaves only as UCX progresses
                 self.poll()
                 if self.has_work():
                     if self.budget is not None:

@@ -285,6 +285,48 @@ def test_busy_target_needs_progress(peer_a, side_b):
         b.remove_peer(pt)
 
 
+def test_notification_on_a_new_connection_leaves_as_the_sender_progresses(peer_a):
+    """A notification is the first thing sent to a peer just added (a prefill worker's
+    KVWriterDone for a write that failed before it was posted): UCX wires the endpoint
+    up, and the notification leaves, only while the sender is progressed too. The sender
+    only calls ``progress`` (as a worker's loop does every turn); A receives it."""
+    with NixlTransport("b-notif") as fresh:
+        fresh.register([torch.ones(BLOCK // 4)])
+        fresh.add_peer(peer_a.info["metadata"], [peer_a.info["regions"]["kv"]])
+        fresh.send_notif("a", b"first words")
+        peer_a.send("wait_notif", "b-notif", b"first words", 10.0)
+        while not peer_a.conn.poll(0.002):
+            fresh.progress()
+        assert peer_a.conn.recv() is True
+
+
+def test_unread_notifications_are_bounded(monkeypatch):
+    """A process that reads no notifications (a prefill worker) keeps at most
+    _MAX_BUFFERED_NOTIFS of them, however many its peers send; get_notifs empties it."""
+    from epd.transfer import nixl_transport
+
+    monkeypatch.setattr(nixl_transport, "_MAX_BUFFERED_NOTIFS", 3)
+    with NixlTransport("flooder") as src, NixlTransport("flooded") as dst:
+        regions = {t: t.register([torch.ones(BLOCK // 4)]) for t in (src, dst)}
+        src.add_peer(dst.metadata(), regions[dst])
+        for i in range(5):
+            src.send_notif("flooded", b"n%d" % i)
+        deadline = time.monotonic() + 10
+        while dst._num_buffered < 3 and time.monotonic() < deadline:
+            src.progress()
+            dst.progress()
+        for _ in range(50):  # the rest arrive and are dropped
+            src.progress()
+            dst.progress()
+        assert dst.get_notifs() == {"flooder": [b"n0", b"n1", b"n2"]}
+        src.send_notif("flooded", b"again")
+        deadline = time.monotonic() + 10
+        while not dst._num_buffered and time.monotonic() < deadline:
+            src.progress()
+            dst.progress()
+        assert dst.get_notifs() == {"flooder": [b"again"]}
+
+
 def test_sigstopped_peer_times_out(peer_a):
     """A hung peer: wait() gives up at the deadline and releases the handle."""
     with NixlTransport("b-stop") as b2:
