@@ -188,14 +188,15 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def serve_epd(model: str | None, pools: str, cores: str, threads: int, log: Path, attempts: int = 3):
-    """``taskset -c CORES epd launch --pools POOLS --threads-per-worker THREADS`` (output to
-    ``log``) until ``GET /health`` answers 200; yields the base URL; SIGINT (then SIGKILL of
-    the process group) after. A start that fails (e.g. a worker killed for memory on this
-    shared machine) is tried again, ``attempts`` times in all."""
+def serve_epd(model: str | None, pools: str, cores: str, threads: int, log: Path, attempts: int = 3,
+              extra: tuple[str, ...] = ()):
+    """``taskset -c CORES epd launch --pools POOLS --threads-per-worker THREADS *EXTRA``
+    (output to ``log``) until ``GET /health`` answers 200; yields the base URL; SIGINT
+    (then SIGKILL of the process group) after. A start that fails (e.g. a worker killed
+    for memory on this shared machine) is tried again, ``attempts`` times in all."""
     port = free_port()
     cmd = ["taskset", "-c", cores, sys.executable, "-m", "epd.cli", "launch", "--pools", pools, "--port", str(port),
-           "--threads-per-worker", str(threads), "--kv-cache-memory-gb", "1"]
+           "--threads-per-worker", str(threads), "--kv-cache-memory-gb", "1", *extra]
     if model is not None:
         cmd += ["--model", model]
     url = f"http://127.0.0.1:{port}"

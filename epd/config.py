@@ -75,6 +75,9 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output); default and cap: the
             model's ``max_position_embeddings``.
         enable_prefix_caching: reuse KV of full blocks with equal hash chains.
+        no_decode_kv_reuse: a decode instance does not look its reservations up in its
+            prefix cache: the prefill worker writes every prompt block (the behaviour
+            before decode-side reuse; for A/B runs). Without prefix caching, none anyway.
         num_kv_blocks: KV cache size in blocks; None sizes it from
             ``kv_cache_memory_gb``, capped at what ``max_num_seqs`` sequences of
             ``max_model_len`` tokens can use.
@@ -116,6 +119,7 @@ class EngineConfig:
     target_step_ms: float = 100.0
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    no_decode_kv_reuse: bool = False
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
     dtype: str = "auto"

@@ -67,6 +67,8 @@ TTS_QUEUE = "epd_tts_queue_seconds"
 TTS_FIRST_AUDIO = "epd_tts_time_to_first_audio_seconds"
 TTS_SYNTHESIS = "epd_tts_synthesis_seconds"
 KV_BYTES = "epd_kv_transfer_bytes_total"
+#: KV bytes a decode instance did not need P -> D: its prefix cache held those blocks
+KV_SAVED_BYTES = "epd_kv_transfer_saved_bytes_total"
 KV_FAILURES = "epd_kv_transfer_failures_total"
 KV_RETRIES = "epd_kv_transfer_retries_total"
 #: NIXL operations posted (one per layer and rank of each transfer), not client requests
@@ -128,6 +130,8 @@ class Metrics:
 
     Counters:
         kv_transfer_bytes: bytes of KV cache moved P -> D (``epd_kv_transfer_bytes_total``).
+        kv_transfer_saved_bytes: bytes of prompt KV a decode instance did not receive
+            P -> D because its own prefix cache held those blocks (decode-side reuse).
         tts_phrases: phrases a TTS worker spoke.
         tts_characters: characters of those phrases.
         tts_audio_seconds: seconds of audio a TTS worker synthesized.
@@ -210,6 +214,7 @@ class Metrics:
     tts_first_audio: object
     tts_synthesis: object
     kv_transfer_bytes: object
+    kv_transfer_saved_bytes: object
     kv_transfer_failures: object
     kv_transfer_retries: object
     kv_transfer_requests: object
@@ -270,6 +275,8 @@ _HISTOGRAMS = {
 # field -> (metric name without _total, help); exposed as <name>_total
 _COUNTERS = {
     "kv_transfer_bytes": (_family(KV_BYTES), "KV cache bytes transferred P -> D"),
+    "kv_transfer_saved_bytes": (_family(KV_SAVED_BYTES), "Prompt KV bytes a decode instance did not receive "
+                                "P -> D: its prefix cache held those blocks"),
     "kv_transfer_failures": (_family(KV_FAILURES), "KV transfers that failed or timed out"),
     "kv_transfer_retries": (_family(KV_RETRIES), "KV transfers retried"),
     "kv_transfer_requests": (_family(KV_OPS), "NIXL READ/WRITE operations posted, one per layer (and "

@@ -288,7 +288,8 @@ class Pipeline:
             p.send(PrefillRequest(rid, req.prompt_token_ids, req.params, d.instance_id,
                                   list(reserved.block_ids), placeholders, e_id, refs,
                                   decode_staging_block=reserved.staging_block,
-                                  decode_generation=reserved.generation))
+                                  decode_generation=reserved.generation,
+                                  decode_num_cached_blocks=reserved.num_cached_blocks))
             early: list[TokenOutput] = []
             done = await self.mailbox.expect(rid, (PrefillDone,), self.stage_timeout_s, "prefill", stash=early,
                                              watch=(p, d))

@@ -96,6 +96,9 @@ def add_parser(sub) -> None:
     w.add_argument("--cuda-graph-sizes", type=int_list, default=None,
                    help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default: 1,2,4 and multiples "
                         "of 8 up to --max-num-seqs; CUDA at TP 1 only)")
+    w.add_argument("--no-decode-kv-reuse", action="store_true",
+                   help="decode: do not look reservations up in this instance's prefix cache, so the prefill "
+                        "worker writes every prompt block (default: only the blocks after the cached prefix)")
     w.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
     w.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV cache size in blocks (overrides --kv-cache-memory-gb)")

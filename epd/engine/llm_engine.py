@@ -398,11 +398,13 @@ class LLMEngine:
 
     # ---- decode side of a KV transfer -----------------------------------------
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                           mm_placeholders: list[Placeholder] | None = None) -> list[int] | None:
+                           mm_placeholders: list[Placeholder] | None = None) -> tuple[list[int], int] | None:
         """Queue a request whose prompt KV another instance will write.
 
         Its sequence waits in ``WAITING_FOR_REMOTE_KV`` with blocks for the whole
-        prompt. Returns the block ids (one per ``block_size`` prompt tokens), or
+        prompt, headed by the longest prefix this instance's prefix cache holds.
+        Returns (the block ids, one per ``block_size`` prompt tokens; how many of
+        the first ones already hold the prompt's KV: only the rest need writing), or
         None when there is no room now (nothing changed). ``add_prefilled`` makes it
         run; ``abort_request`` frees it.
 
@@ -423,11 +425,11 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
         seq.mm_placeholders = placeholders  # no embeddings here: set after the constructor's check
         self._attach_grammar(seq)  # compiling on a thread while the KV arrives; ``add_prefilled`` takes it
-        if not self.scheduler.add_remote(seq):
+        if not self.scheduler.add_remote(seq, reuse=not self.config.no_decode_kv_reuse):
             self._compiles.pop(request_id, None)
             return None
         skip_draws(seq, params.num_prior_output_tokens, self.vocab_size)  # a resumed request's earlier draws
-        return list(seq.block_table)
+        return list(seq.block_table), seq.num_cached_tokens // self.config.block_size
 
     def add_prefilled(self, request_id: str, first_token: int) -> RequestOutput:
         """Run a ``WAITING_FOR_REMOTE_KV`` request whose prompt KV now fills its blocks.

@@ -125,14 +125,23 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_remote(self, seq: Sequence) -> bool:
+    def add_remote(self, seq: Sequence, reuse: bool = True) -> bool:
         """Allocate blocks for ``seq``'s whole prompt, whose KV another instance will
-        write, and park it in ``WAITING_FOR_REMOTE_KV``. Returns False (nothing
-        changed) when the batch is full, sequences are queued, or blocks are short."""
-        if len(self.running) + len(self.waiting_for_remote_kv) >= self.max_num_seqs:
+        write, and park it in ``WAITING_FOR_REMOTE_KV``. The longest prefix this
+        instance's prefix cache holds heads the block table (decode-side reuse, as
+        vLLM's NixlConnector counts a decode instance's local hits): only the blocks
+        after it need writing; ``seq.num_cached_tokens`` says how many tokens that is
+        (``reuse`` False: none, no lookup). Returns False (nothing changed) when the batch is full, sequences are
+        queued, or blocks are short."""
+        if len(self.running) + len(self.waiting_for_remote_kv) >= self.max_num_seqs or self.waiting:
             return False
-        if self.waiting or not self.block_manager.allocate_slots(seq, seq.num_tokens):
+        bm = self.block_manager
+        computed = bm.get_computed_blocks(seq) if reuse else []
+        if not bm.allocate_slots(seq, seq.num_tokens - len(computed) * bm.block_size, computed):
             return False
+        seq.num_cached_tokens = len(computed) * bm.block_size
+        if reuse:
+            bm.record_prefix_lookup(seq.num_tokens, seq.num_cached_tokens)
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         self.waiting_for_remote_kv[seq.request_id] = seq
         return True

@@ -74,7 +74,8 @@ WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-n
                        ("--kv-cache-memory-gb", float),
                        ("--num-kv-blocks", int), ("--max-model-len", int), ("--dtype", str),
                        ("--kv-cache-dtype", str), ("--quantization", str),
-                       ("--compile", bool), ("--enforce-eager", bool), ("--cuda-graph-sizes", int_list),
+                       ("--compile", bool), ("--enforce-eager", bool), ("--no-decode-kv-reuse", bool),
+                       ("--cuda-graph-sizes", int_list),
                        ("--tts-engine", str))
 
 
@@ -120,6 +121,7 @@ class LaunchConfig:
     quantization: str | None = None  # one of QUANTIZATION_NAMES (None: the model's dtype)
     compile: bool | None = None
     enforce_eager: bool | None = None
+    no_decode_kv_reuse: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
     tts_engine: str | None = None  # the tts pool's synthesizer (epd.tts.load_synthesizer; None: espeak)
     # routing

@@ -179,13 +179,17 @@ class KVReserved(msgspec.Struct, tag="reserved", frozen=True):
     the prompt's KV (-1: none; the prefill worker writes block to block).
     ``generation``: a random 63-bit id of this reservation, echoed by the prefill
     worker in ``KVReady`` / ``KVWriterDone``; the decode worker acts only on
-    notifications that carry it (see docs/architecture.md, "KV connector")."""
+    notifications that carry it (see docs/architecture.md, "KV connector").
+    ``num_cached_blocks``: leading blocks of the prompt the decode instance already
+    holds in its prefix cache (decode-side reuse); ``block_ids`` are the blocks after
+    them, the only ones the prefill worker writes."""
 
     request_id: str
     instance_id: str
     block_ids: list[int]
     staging_block: int = -1
     generation: int = 0
+    num_cached_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
@@ -199,6 +203,8 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
     embeddings: list[EmbeddingRef] = []
     decode_staging_block: int = -1  # KVReserved.staging_block
     decode_generation: int = 0  # KVReserved.generation
+    # KVReserved.num_cached_blocks: decode_block_ids take the prompt's blocks from this one on
+    decode_num_cached_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):

@@ -145,7 +145,9 @@ class KVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def stats(self) -> dict[str, float]:
-        """``num_quarantined``: aborted reservations still fenced for their writer."""
+        """``num_quarantined``: aborted reservations still fenced for their writer;
+        ``kv_reused_blocks``: prompt blocks this instance's prefix cache held, so no
+        prefill worker wrote them (decode-side reuse)."""
 
 
 # ---- a send in flight ------------------------------------------------------------------
@@ -153,7 +155,9 @@ class KVReceiver(abc.ABC):
 class KVSend:
     """One request's prompt KV on its way to ``decode_instance``.
 
-    ``dst_block_ids``: the decode instance's reserved blocks; ``dst_staging_block``:
+    ``dst_block_ids``: the decode instance's reserved blocks, for the prompt's blocks
+    from ``dst_first_block`` on (those before it the decode instance's prefix cache
+    already held); ``dst_staging_block``:
     first block of its staging range (-1: block to block); ``staging_block``: ours.
     ``seq``: the finished prompt, whose blocks are held until the send ends.
     """
@@ -164,6 +168,7 @@ class KVSend:
     dst_staging_block: int
     dst_generation: int
     arrival: float
+    dst_first_block: int = 0
     staging_block: int = -1
     prefill_start: float = 0.0
     seq: Sequence | None = None

@@ -33,7 +33,8 @@ __all__ = ["NixlKVReceiver"]
 
 @dataclass(slots=True)
 class _Reservation:
-    """Blocks reserved for a prompt whose KV a prefill worker will write.
+    """Blocks reserved for a prompt whose KV a prefill worker will write (those after
+    the prefix this instance's cache already held).
 
     ``generation``: random id echoed by the writer's notifications; ``expected_writer``:
     the prefill instance the router picked to write it (``ReserveKV.kv_writer``; "":
@@ -74,6 +75,7 @@ class NixlKVReceiver(KVReceiver):
         self.reserved: dict[str, _Reservation] = {}  # request id -> reservation whose KV has not arrived
         self._gone: set[tuple[str, int]] = set()  # writer processes known to have exited
         self.admitted: dict[str, float] = {}  # request id -> monotonic time its KV was admitted (decode queue)
+        self.num_reused_blocks = 0  # prompt blocks found in the prefix cache here: not written by a prefill worker
 
     def add(self, msg: ReserveKV) -> list[Message]:
         self.pending.append(msg)
@@ -85,7 +87,8 @@ class NixlKVReceiver(KVReceiver):
         block_size = self.engine.config.block_size
         while self.pending:
             msg = self.pending[0]
-            # Staged KV (heterogeneous TP) also needs a contiguous staging range.
+            # Staged KV (heterogeneous TP) also needs a contiguous staging range: checked
+            # for the whole prompt, taken for the blocks the prefix cache lacks.
             n_staging = -(-len(msg.prompt_token_ids) // block_size) if self.staging else 0
             try:
                 if self.staging is not None and n_staging > self.staging.num_blocks:
@@ -93,19 +96,22 @@ class NixlKVReceiver(KVReceiver):
                                      f"instance's staging pool has {self.staging.num_blocks}; raise --kv-staging-mb")
                 if self.staging is not None and not self.staging.can_alloc(n_staging):
                     return  # no staging room yet: retry once a staged request arrives or aborts
-                blocks = self.engine.add_remote_request(msg.request_id, list(msg.prompt_token_ids), msg.params,
-                                                        mm_placeholders=list(msg.placeholders))
+                reserved = self.engine.add_remote_request(msg.request_id, list(msg.prompt_token_ids), msg.params,
+                                                          mm_placeholders=list(msg.placeholders))
             except ValueError as e:  # InvalidRequestError (400): the request's own fault; else (500) this instance's
                 self.pending.popleft()
                 out.append(RequestFailed(msg.request_id, self.instance_id, str(e), status=error_status(e)))
                 continue
-            if blocks is None:
+            if reserved is None:
                 return  # no room yet: keep order, retry after the next step frees blocks
             self.pending.popleft()
-            res = _Reservation(blocks, secrets.randbits(63), msg.kv_writer)
+            blocks, num_cached = reserved
+            res = _Reservation(blocks[num_cached:], secrets.randbits(63), msg.kv_writer)  # the blocks to write
             self.reserved[msg.request_id] = res
-            staging_block = self.staging.alloc(msg.request_id, n_staging) if self.staging is not None else -1
-            out.append(KVReserved(msg.request_id, self.instance_id, blocks, staging_block, res.generation))
+            self.num_reused_blocks += num_cached
+            staging_block = self.staging.alloc(msg.request_id, len(res.blocks)) if self.staging is not None else -1
+            out.append(KVReserved(msg.request_id, self.instance_id, res.blocks, staging_block, res.generation,
+                                  num_cached_blocks=num_cached))
 
     def _admit(self, msg: KVReady) -> RequestOutput:
         """Unpack a staged request's KV into its blocks on every TP rank (before it joins
@@ -204,4 +210,5 @@ class NixlKVReceiver(KVReceiver):
 
     def stats(self) -> dict[str, float]:
         fenced = [r for r in self.reserved.values() if r.aborted]
-        return {"num_quarantined": len(fenced), "num_fenced_blocks": sum(len(r.blocks) for r in fenced)}
+        return {"num_quarantined": len(fenced), "num_fenced_blocks": sum(len(r.blocks) for r in fenced),
+                "kv_reused_blocks": self.num_reused_blocks}

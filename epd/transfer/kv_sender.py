@@ -72,8 +72,12 @@ class NixlKVSender(KVSender):
     def add(self, req: PrefillRequest, arrival: float) -> bool:
         if req.decode_instance not in self.peers:
             raise InternalError(f"unknown decode instance {req.decode_instance!r}")
+        num_blocks = -(-len(req.prompt_token_ids) // self.layout.block_size)
+        if req.decode_num_cached_blocks + len(req.decode_block_ids) > num_blocks:
+            raise InternalError(f"decode instance {req.decode_instance} reserved {req.decode_num_cached_blocks} "
+                                f"cached + {len(req.decode_block_ids)} blocks for a prompt of {num_blocks}")
         send = KVSend(req.request_id, req.decode_instance, list(req.decode_block_ids), req.decode_staging_block,
-                      req.decode_generation, arrival)
+                      req.decode_generation, arrival, dst_first_block=req.decode_num_cached_blocks)
         d = self.peers[req.decode_instance].kv_layout
         if d.dtype != self.layout.dtype:
             raise InternalError(f"decode instance {req.decode_instance} holds a {d.dtype} KV cache, this prefill "
@@ -124,8 +128,8 @@ class NixlKVSender(KVSender):
             send = self.sends.get(s.seq.request_id)
             if send is not None and not send.prefill_start:
                 send.prefill_start = now
-        plans = [(send, s.seq.block_table[:len(send.dst_block_ids)]) for s in sched.scheduled
-                 if s.sample and (send := self.sends.get(s.seq.request_id)) is not None]
+        plans = [(send, s.seq.block_table[send.dst_first_block:send.dst_first_block + len(send.dst_block_ids)])
+                 for s in sched.scheduled if s.sample and (send := self.sends.get(s.seq.request_id)) is not None]
         if not plans:
             return None
         packs = [(send.staging_block, src) for send, src in plans if send.staging_block >= 0]

@@ -111,6 +111,9 @@ class EngineWorker(BaseWorker):
                          + stats.get("embedding_reads_unterminated", 0))
         if "num_fenced_blocks" in stats:
             self.metrics.kv_fenced_blocks.labels(**self.labels).set(stats["num_fenced_blocks"])
+        if "kv_reused_blocks" in stats:  # every rank's share of each block
+            self.count_total("kv_transfer_saved_bytes",
+                             stats["kv_reused_blocks"] * stats["kv_block_bytes"] * self.args.tp)
 
     def kv_requests(self) -> int:
         """NIXL requests this instance posted: rank 0's agent, plus its other ranks' (per-rank agents)."""

@@ -187,20 +187,24 @@ def pd_engines(llava_dir):
 
 
 def _prefill_into(p: LLM, receiver: NixlKVReceiver, hold: _HoldKV, rid: str, prompt: dict,
-                  params: SamplingParams) -> None:
+                  params: SamplingParams) -> KVReserved:
     """Prefill ``prompt`` on ``p``, reserve on the decode side through ``receiver``, copy
-    the prompt's KV into the reserved blocks (NIXL's job) and start decoding."""
+    the prompt's KV into the reserved blocks (NIXL's job: only those after the decode
+    side's own prefix hits) and start decoding. Returns the reservation."""
     _, ids, mm = p._prepare(prompt)
     p.engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=1), **mm)
     first = [o for o in p.engine.step() if o.request_id == rid][0].outputs[0].token_ids[0]
     (reserved,) = receiver.add(ReserveKV(rid, ids, params, mm["mm_placeholders"]))
     src = hold.held.pop(rid)
     n = -(-len(ids) // 8)
+    assert reserved.num_cached_blocks + len(reserved.block_ids) == n  # the decode side's own prefix hits first
     d = receiver.engine
     for name in ("k_cache", "v_cache"):
-        getattr(d.runner, name)[:, reserved.block_ids] = getattr(p.engine.runner, name)[:, src.block_table[:n]]
+        getattr(d.runner, name)[:, reserved.block_ids] = \
+            getattr(p.engine.runner, name)[:, src.block_table[reserved.num_cached_blocks:n]]
     p.engine.block_manager.free(src)
     d.add_prefilled(rid, first)
+    return reserved
 
 
 @pytest.mark.parametrize("max_tokens", [20, 40])
@@ -242,4 +246,51 @@ def test_disaggregated_media_requests_under_decode_preemption(max_tokens, pd_eng
         assert second.finish_reason == "error"
         assert 0 < len(second.token_ids) < max_tokens
         assert list(second.token_ids) == expected[1][:len(second.token_ids)]
+    assert d.engine.stats()["num_free_blocks"] == 12
+
+
+def _decode_all(d: LLM) -> dict:
+    done = {}
+    while d.engine.scheduler.has_unfinished():
+        for out in d.engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return done
+
+
+def test_decode_side_reuse_across_turns_keyed_by_image(pd_engines):
+    """Decode-side reuse: a follow-up turn (the first turn's prompt and answer, then more
+    text, same image) reserves the decode instance's cached blocks of the first turn, and
+    only the rest is copied in; the answer equals the aggregated engine's. The same text
+    with another image hits only the blocks before the image placeholder (the item hash
+    keys the blocks), and its answer is that image's."""
+    p, d = pd_engines
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tok = p.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": f"{IMAGE_TOKEN} Describe it."}],
+                                   add_generation_prompt=True, tokenize=False)
+    hold = _HoldKV()
+    p.engine.kv_connector = hold
+    receiver = NixlKVReceiver(d.engine, None, None, "d0")
+    try:
+        first = {"prompt": text, "multi_modal_data": {"image": [_image(5)]}}
+        r1 = _prefill_into(p, receiver, hold, "turn-1", first, params)
+        answer = _decode_all(d)["turn-1"]
+        follow = {"prompt": text + tok.decode(answer) + " And the colours?", "multi_modal_data": {"image": [_image(5)]}}
+        other = {"prompt": text, "multi_modal_data": {"image": [_image(6)]}}
+        p.engine.kv_connector = None
+        expected = [list(o.outputs[0].token_ids) for o in p.generate([follow, other], params)]
+        p.engine.kv_connector = hold
+        r2 = _prefill_into(p, receiver, hold, "turn-2", follow, params)
+        done = _decode_all(d)
+        r3 = _prefill_into(p, receiver, hold, "other-image", other, params)
+        done.update(_decode_all(d))
+    finally:
+        p.engine.kv_connector = None
+    _, ids1, mm1 = p._prepare(first)
+    assert r1.num_cached_blocks == 0
+    assert r2.num_cached_blocks >= len(ids1) // 8 - 1 > 0  # the first turn's blocks (but a boundary one)
+    assert r3.num_cached_blocks == mm1["mm_placeholders"][0].offset // 8  # not the other image's blocks
+    assert done["turn-2"] == expected[0] and done["other-image"] == expected[1]
+    assert receiver.stats()["kv_reused_blocks"] == r2.num_cached_blocks + r3.num_cached_blocks
     assert d.engine.stats()["num_free_blocks"] == 12

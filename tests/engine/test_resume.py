@@ -82,7 +82,7 @@ def test_a_reservation_resumes_the_generator_after_prior_draws(llm):
     logits = torch.zeros(1, engine.vocab_size)
     for _ in range(4):
         sampler(logits, [ref])
-    blocks = engine.add_remote_request("moved", [5, 6, 7, 8, 9, 10], resumed(params, 3))
+    blocks, _ = engine.add_remote_request("moved", [5, 6, 7, 8, 9, 10], resumed(params, 3))
     try:
         assert blocks is not None
         seq = engine.scheduler.waiting_for_remote_kv["moved"]

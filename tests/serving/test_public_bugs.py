@@ -118,7 +118,8 @@ ROW14_MIN_BLOCKS = 200  # prompts of >= 200 blocks (1600 tokens) have their KV w
 def text_pd(llama_dir):
     """Tiny Llama on e:1,p:1,d:1 (the encode worker is the Whisper speech front end of a
     text-only model), 8-token blocks, 64-token prefill chunks. Fault injection holds the
-    last layer's KV write of a prompt of >= 200 blocks for 30 s; only row 14 sends one."""
+    last layer's KV write of >= 200 blocks for 30 s; only row 14 sends a prompt that long
+    (and none of it is cached on the decode worker, which would then take fewer blocks)."""
     env = {"EPD_INJECT_KV_WRITE_DELAY_S": "30", "EPD_INJECT_KV_WRITE_DELAY_MIN_BLOCKS": str(ROW14_MIN_BLOCKS)}
     with launch(llama_dir, "e:1,p:1,d:1", "--block-size", str(BLOCK), "--max-num-batched-tokens", "64",
                 env=env) as server:
@@ -344,7 +345,7 @@ class TestTextPD:
         decode_pid = server.worker_process("decode-0").pid
         victim = server.worker_process("prefill-0")
         restarts = metric(server, "epd_worker_restarts_total", instance="prefill-0")
-        long = _ids(1400, 1700)
+        long = _ids(7700, 1700)  # (a seed no other prompt here shares a prefix with: none of it is cached on decode)
         got: dict = {}
         t = threading.Thread(target=lambda: got.update(r=post(server, "/v1/completions", _body(long, 4))))
         t.start()

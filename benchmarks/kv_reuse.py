@@ -1,0 +1,154 @@
+"""Decode-side KV reuse and the host tier on the Mooncake conversation trace: KV bytes
+moved P -> D per request, prefix hit shares and TTFT, with decode-side reuse off
+(``--no-decode-kv-reuse``), on, and on with a host tier (``--kv-host-cache-gb 1``).
+
+Both runs replay the same rows of ``../shared/traces/mooncake_conversation_trace.jsonl``
+(scaled to the served model's context, as ``epd bench --workload trace`` does: each
+``hash_ids`` block becomes the same text wherever it recurs) on ``p:2,d:1`` with the
+embedded SmolLM2-135M-Instruct and a small KV cache (``KV_GB`` per worker, so the replay
+evicts), one request at a time (``--max-concurrency 1``, so TTFT is each request's own,
+not queueing). The trace's theoretical share is the share of the
+replayed rows' prompt blocks whose hash id an earlier replayed row already had (an
+unbounded cache). Bytes come from the servers' ``epd_kv_transfer_bytes_total`` and
+``epd_kv_transfer_saved_bytes_total``; hit shares from the workers' prefix-cache stats.
+
+    python benchmarks/kv_reuse.py [--rows 40] [--quick]
+
+Prints a table; writes ``benchmarks/results/kv_reuse.json`` (and ``_quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from _common import ROOT, fmt_ms, git_commit, load_avg, serve_epd
+
+from epd.bench import BenchConfig, run_bench
+from epd.bench.workloads import trace_options
+
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+POOLS = "p:2,d:1"
+#: KV cache per worker, GiB: small enough that the replay evicts (what the host tier is for)
+KV_GB = "0.15"
+MODES = {"off": ("--no-decode-kv-reuse",), "decode-reuse": (),
+         "decode-reuse+host": ("--kv-host-cache-gb", "1")}
+
+
+def theoretical_share(rows) -> float:
+    """Share of the rows' prompt blocks whose hash id an earlier row had (unbounded cache)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for r in rows:
+        for h in r.hash_ids:
+            hit += h in seen
+            total += 1
+            seen.add(h)
+    return hit / total if total else float("nan")
+
+
+def counters(url: str) -> dict[str, float]:
+    """The KV byte counters, summed over instances."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for name in ("epd_kv_transfer_bytes_total", "epd_kv_transfer_saved_bytes_total"):
+        out[name] = sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+    return out
+
+
+def worker_stats(url: str) -> dict[str, float]:
+    """Prefix-cache lookups and hits (tokens) of the prefill pool and of decode (host-tier
+    hits among them); decode's reused blocks."""
+    w = httpx.get(url + "/epd/workers", timeout=30).json()
+    pre = [s for k, s in w.items() if k.startswith("prefill")]
+    dec = w["decode-0"]
+    return {"prefill_query_tokens": sum(s.get("prefix_cache_query_tokens", 0) for s in pre),
+            "prefill_hit_tokens": sum(s.get("prefix_cache_hit_tokens", 0) for s in pre),
+            "prefill_host_hit_tokens": sum(s.get("prefix_cache_host_hit_tokens", 0) for s in pre),
+            "decode_host_hit_tokens": dec.get("prefix_cache_host_hit_tokens", 0),
+            "decode_query_tokens": dec.get("prefix_cache_query_tokens", 0),
+            "decode_hit_tokens": dec.get("prefix_cache_hit_tokens", 0),
+            "decode_reused_blocks": dec.get("kv_reused_blocks", 0)}
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def run_mode(mode: str, rows: int, out_dir: Path, seed: int) -> dict:
+    log = out_dir / f"kv_reuse_{mode}.log"
+    with serve_epd(None, POOLS, "0,1", 1, log, extra=("--kv-cache-memory-gb", KV_GB, *MODES[mode])) as url:
+        max_len = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+        opts, scale = trace_options(TRACE, max_len, rows, None)
+        cfg = BenchConfig(url, workload="trace", rates=[math.inf], num_requests=rows, max_concurrency=1,
+                          options=opts, seed=seed, progress=False, warmup=0, ttft_slo_s=2.0, tpot_slo_s=0.1)
+        c0, w0 = counters(url), worker_stats(url)
+        res = asyncio.run(run_bench(cfg))
+        time.sleep(1.0)  # worker counters move once per heartbeat
+        c, w = _delta(counters(url), c0), _delta(worker_stats(url), w0)
+    summary = res["runs"][0]["summary"]
+    n_ok = summary["completed"] or 1
+    return {"mode": mode, "scale": scale, "block_tokens": opts.trace_block_tokens,
+            "theoretical_share": theoretical_share(opts.trace_rows[:rows]),
+            "prefill_hit_share": _share(w["prefill_hit_tokens"], w["prefill_query_tokens"]),
+            "decode_hit_share": _share(w["decode_hit_tokens"], w["decode_query_tokens"]),
+            "host_hit_share": _share(w["prefill_host_hit_tokens"] + w["decode_host_hit_tokens"],
+                                     w["prefill_query_tokens"] + w["decode_query_tokens"]),
+            "kv_bytes_per_request": c["epd_kv_transfer_bytes_total"] / n_ok,
+            "kv_saved_bytes_per_request": c["epd_kv_transfer_saved_bytes_total"] / n_ok,
+            "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"],
+            "goodput_rps": res["goodput"]["rate"], "num_ok": n_ok, "workers": w, "bench": res}
+
+
+def table(results: dict) -> str:
+    lines = ["| mode | trace share | prefill hit share | decode hit share | host-tier share | KV MB P->D / req "
+             "| saved MB / req | TTFT p50 ms | TTFT p99 ms | goodput req/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode in MODES:
+        r = results.get(mode)
+        if r is None:
+            continue
+        lines.append(f"| {mode} | {r['theoretical_share']:.1%} | {r['prefill_hit_share']:.1%} | "
+                     f"{r['decode_hit_share']:.1%} | {r['host_hit_share']:.1%} | "
+                     f"{r['kv_bytes_per_request'] / 1e6:.2f} | "
+                     f"{r['kv_saved_bytes_per_request'] / 1e6:.2f} | {fmt_ms(r['ttft_p50_s'])} | "
+                     f"{fmt_ms(r['ttft_p99_s'])} | {r['goodput_rps']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=40, help="trace rows replayed (default %(default)s)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 8 rows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    rows = 8 if args.quick else args.rows
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
+            "pools": POOLS, "rows": rows, "trace": TRACE.name, "load_avg": {"start": load_avg()}}
+    results = {}
+    for mode in MODES:
+        print(f"== decode-side reuse {mode}", flush=True)
+        results[mode] = run_mode(mode, rows, args.out_dir, args.seed)
+        meta["load_avg"][mode] = load_avg()
+    print(table(results))
+    out = args.out_dir / ("kv_reuse_quick.json" if args.quick else "kv_reuse.json")
+    out.write_text(json.dumps({"bench": meta, "results": results}, indent=1, default=str))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
