@@ -82,6 +82,9 @@ class EngineConfig:
             ``kv_cache_memory_gb``, capped at what ``max_num_seqs`` sequences of
             ``max_model_len`` tokens can use.
         kv_cache_memory_gb: memory for the KV cache (all layers, K and V), GiB.
+        kv_host_cache_gb: host memory for the prefix cache's host tier, GiB (0: off;
+            ``epd.engine.host_kv_tier``): evicted full blocks are kept there and loaded
+            back on a later hit. Needs prefix caching and TP 1.
         dtype: "auto" (:func:`auto_dtype`: bf16 where the device computes it natively,
             else fp32), or a name ("float32", "bfloat16", "float16"). The KV cache
             follows it unless ``kv_cache_dtype`` quantizes it.
@@ -122,6 +125,7 @@ class EngineConfig:
     no_decode_kv_reuse: bool = False
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
+    kv_host_cache_gb: float = 0.0
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
@@ -192,6 +196,13 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0 < self.kv_cache_memory_gb < float("inf"):  # also rejects nan
             raise ConfigError(f"kv_cache_memory_gb must be a finite number > 0, got {self.kv_cache_memory_gb}")
+        if not 0 <= self.kv_host_cache_gb < float("inf"):
+            raise ConfigError(f"kv_host_cache_gb must be a finite number >= 0 (0: no host tier), "
+                              f"got {self.kv_host_cache_gb}")
+        if self.kv_host_cache_gb and (self.tensor_parallel_size > 1 or not self.enable_prefix_caching):
+            raise ConfigError("kv_host_cache_gb (the prefix cache's host tier) needs prefix caching and tensor "
+                              f"parallelism 1 (the tier copies one rank's KV), got TP {self.tensor_parallel_size}"
+                              + ("" if self.enable_prefix_caching else " without prefix caching"))
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes captured as CUDA graphs ([] where none are: on a CPU,

@@ -87,6 +87,11 @@ WORKER_RESTARTS = "epd_worker_restarts_total"
 PROMPT_TOKENS = "epd_prompt_tokens_total"
 PREFIX_QUERIES = "epd_prefix_cache_queries_tokens_total"
 PREFIX_HITS = "epd_prefix_cache_hits_tokens_total"
+PREFIX_HOST_HITS = "epd_prefix_cache_host_hits_tokens_total"
+KV_HOST_OFFLOADED = "epd_kv_host_offloaded_blocks_total"
+KV_HOST_LOADED = "epd_kv_host_loaded_blocks_total"
+KV_HOST_EVICTED = "epd_kv_host_evicted_blocks_total"
+KV_HOST_USAGE = "epd_kv_host_cache_usage_ratio"
 ENCODER_QUERIES = "epd_encoder_cache_queries_total"
 ENCODER_HITS = "epd_encoder_cache_hits_total"
 ENCODE_VIDEO_CHUNKS = "epd_encode_video_chunks_total"
@@ -153,6 +158,12 @@ class Metrics:
             ``prompt_tokens_total``); over ``epd_prefill_seconds_count``, the mean ISL.
         prefix_cache_queries_tokens: prompt tokens looked up in the prefix cache.
         prefix_cache_hits_tokens: of those, tokens whose KV was reused.
+        prefix_cache_host_hits_tokens: of those, tokens whose blocks were loaded back
+            from the host tier (``--kv-host-cache-gb``); the rest were on the device.
+        kv_host_offloaded_blocks: evicted prefix-cache blocks copied to the host tier.
+        kv_host_loaded_blocks: host-tier blocks copied back for a prefix hit.
+        kv_host_evicted_blocks: host-tier blocks dropped (least recently used) for newer
+            ones: a hit rate that stays low while this grows is the tier's capacity.
         encoder_cache_queries: multimodal items looked up in the encoder (embedding) cache.
         encoder_cache_hits: of those, items whose embedding was reused.
         encode_video_chunks: chunks of temporal patches of a long video an encode worker
@@ -179,6 +190,7 @@ class Metrics:
             prefill pool's autoscaling signal).
         kv_fenced_blocks: a decode instance's KV blocks held by aborted reservations
             whose writer may still write (not done, not gone).
+        kv_host_cache_usage_ratio: used / total blocks of the instance's host tier, 0..1.
         pool_instances: instances per pool as the router sees them, label ``state``
             (live: routable; draining; dead: registered, not alive, not forgotten yet), labels
             ``pool`` and ``state`` only; ``epd_pool_instances``.
@@ -231,6 +243,10 @@ class Metrics:
     prompt_tokens: object
     prefix_cache_queries_tokens: object
     prefix_cache_hits_tokens: object
+    prefix_cache_host_hits_tokens: object
+    kv_host_offloaded_blocks: object
+    kv_host_loaded_blocks: object
+    kv_host_evicted_blocks: object
     encoder_cache_queries: object
     encoder_cache_hits: object
     encode_video_chunks: object
@@ -242,6 +258,7 @@ class Metrics:
     router_requests: object
     queued_prompt_tokens: object
     kv_fenced_blocks: object
+    kv_host_cache_usage_ratio: object
     pool_instances: object
 
 
@@ -297,6 +314,11 @@ _COUNTERS = {
                       "prefill ends)"),
     "prefix_cache_queries_tokens": (_family(PREFIX_QUERIES), "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits_tokens": (_family(PREFIX_HITS), "Prompt tokens found in the prefix cache"),
+    "prefix_cache_host_hits_tokens": (_family(PREFIX_HOST_HITS), "Prompt tokens found in the prefix cache's host "
+                                      "tier (loaded back, not recomputed)"),
+    "kv_host_offloaded_blocks": (_family(KV_HOST_OFFLOADED), "Evicted prefix-cache blocks copied to the host tier"),
+    "kv_host_loaded_blocks": (_family(KV_HOST_LOADED), "Host-tier blocks copied back for a prefix hit"),
+    "kv_host_evicted_blocks": (_family(KV_HOST_EVICTED), "Host-tier blocks dropped for newer ones (tier full)"),
     "encoder_cache_queries": (_family(ENCODER_QUERIES), "Multimodal items looked up in the encoder cache"),
     "encoder_cache_hits": (_family(ENCODER_HITS), "Multimodal items found in the encoder cache"),
     "encode_video_chunks": (_family(ENCODE_VIDEO_CHUNKS), "Chunks of temporal patches of a video an encode worker was "
@@ -313,6 +335,8 @@ _GAUGES = {
                              "partly prefilled requests)", "livemax"),
     "kv_fenced_blocks": (KV_FENCED_BLOCKS, "KV blocks of aborted reservations whose writer may still write",
                          "livemax"),
+    "kv_host_cache_usage_ratio": (KV_HOST_USAGE, "Used / total blocks of the prefix cache's host tier, 0..1",
+                                  "livemax"),
 }
 
 _lock = threading.Lock()

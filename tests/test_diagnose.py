@@ -369,6 +369,14 @@ def test_prefix_cache_miss():
     check = next(c for c in dg.evaluate(rr) if c.id == "prefix_cache_miss")
     assert check.status == "symptom" and "ignores the cache" in check.detail and check.evidence["instances"] == 2
 
+    def tier_full(f: FakeEpd) -> None:  # the host tier drops blocks: capacity, named as the cause
+        traffic(400, 8000)(f)
+        f.inc(em.PREFIX_HOST_HITS, "prefill", 300)
+        f.inc(em.KV_HOST_EVICTED, "prefill", 120)
+    check = next(c for c in dg.evaluate(_window(FakeEpd(), tier_full)) if c.id == "prefix_cache_miss")
+    assert check.status == "symptom" and "capacity limits the hit rate" in check.detail
+    assert check.evidence["host_evicted_blocks"] == 120 and check.evidence["host_hit_tokens"] == 300
+
 
 def test_pool_ratio_mismatch():
     # p:1,d:2: prefill busy (two prompts at once) and queueing, both decode instances nearly idle

@@ -100,6 +100,9 @@ def add_parser(sub) -> None:
                    help="decode: do not look reservations up in this instance's prefix cache, so the prefill "
                         "worker writes every prompt block (default: only the blocks after the cached prefix)")
     w.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    w.add_argument("--kv-host-cache-gb", type=float, default=0.0,
+                   help="host memory (GiB) for the prefix cache's host tier: evicted full blocks are kept there "
+                        "and loaded back on a later hit instead of recomputed (default 0: off; TP 1 only)")
     w.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV cache size in blocks (overrides --kv-cache-memory-gb)")
     w.add_argument("--max-model-len", type=positive_int, default=None)

@@ -40,6 +40,10 @@ class BlockManager:
         self.cached_blocks: dict[bytes, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_host_hits = 0  # of the blocks found, tokens loaded back from the host tier
+        # The host tier (epd.engine.host_kv_tier.HostKVTier; None: off): evicted hashed
+        # blocks are kept there, and a lookup continues there past the device's hits.
+        self.host_tier = None
         # KV cache event log (off unless ``enable_kv_events``): hash -> cached after
         # the last change since the previous drain; ``_kv_cleared``: reset in between.
         self._kv_events: dict[bytes, bool] | None = None
@@ -66,7 +70,10 @@ class BlockManager:
         """Block ids of the longest cached prefix of ``seq`` (full blocks only).
 
         At least one token is always left to compute so the step yields logits.
-        The caller records admitted lookups with ``record_prefix_lookup``.
+        Past the blocks on the device, the host tier's blocks are loaded back into
+        free blocks (which then count as device cache hits: cached and free until the
+        caller's ``allocate_slots`` takes them), while free blocks other than the hit
+        ones remain. The caller records admitted lookups with ``record_prefix_lookup``.
         """
         if not self.enable_prefix_caching:
             return []
@@ -74,10 +81,41 @@ class BlockManager:
         hit: list[int] = []
         for block_hash in iter_block_hashes(seq.token_ids, self.block_size, seq.mm_placeholders, max_blocks):
             block_id = self.cached_blocks.get(block_hash)
+            if block_id is None and self.host_tier is not None:
+                block_id = self._load_from_host(block_hash, hit)
             if block_id is None:
                 break
             hit.append(block_id)
         return hit
+
+    def _load_from_host(self, block_hash: bytes, hit: list[int]) -> int | None:
+        """Load ``block_hash``'s block from the host tier into a free block, now cached
+        and free (most recently used); None when the tier lacks it or no free block is
+        left but ``hit``'s (which are moved out of reach first: a load never takes one)."""
+        if self.host_tier.lookup(block_hash) is None:
+            return None
+        protected = 0
+        for block_id in hit:
+            if block_id in self.free_blocks:
+                self.free_blocks.move_to_end(block_id)
+                protected += 1
+        if len(self.free_blocks) <= protected:
+            return None
+        block_id = self._pop_free_block()  # (it may offload the block it evicts: looked up again below)
+        block = self.blocks[block_id]
+        block.ref_count = 0
+        slot = self.host_tier.lookup(block_hash)
+        if slot is None:  # a one-block tier just gave its slot to the evicted block
+            self.free_blocks[block_id] = None
+            self.free_blocks.move_to_end(block_id, last=False)  # unhashed: taken first
+            return None
+        self.host_tier.load(slot, block_id)
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block_id
+        self._record_kv_event(block_hash, True)
+        self.free_blocks[block_id] = None
+        self.prefix_cache_host_hits += self.block_size
+        return block_id
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup (tokens)."""
@@ -116,6 +154,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block_id:
+                if self.host_tier is not None:  # evicted: its KV goes to the host tier before it is overwritten
+                    self.host_tier.offload(block.block_hash, block_id)
                 del self.cached_blocks[block.block_hash]
                 self._record_kv_event(block.block_hash, False)
             block.block_hash = None
@@ -161,6 +201,8 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         if self._kv_events is not None:
             self._kv_events.clear()
             self._kv_cleared = True

@@ -108,6 +108,11 @@ class LLMEngine:
                 kv_runner.started()
         self._fit_max_model_len(staged)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.kv_host_cache_gb:
+            from epd.engine.host_kv_tier import HostKVTier
+
+            num_host = int(config.kv_host_cache_gb * 2**30 // config.kv_bytes_per_block())
+            self.block_manager.host_tier = HostKVTier(self.runner.k_cache, self.runner.v_cache, max(1, num_host))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_tokens_with_decodes or None,
                                    target_step_ms=config.target_step_ms or None)
@@ -478,7 +483,9 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         """KV and queue counters: free/total blocks, running, waiting, preemptions,
         prefix-cache tokens looked up and found (``prefix_cache_query_tokens``,
-        ``prefix_cache_hit_tokens``: tokens, not lookups)."""
+        ``prefix_cache_hit_tokens``: tokens, not lookups; ``prefix_cache_host_hit_tokens``:
+        of those, tokens loaded back from the host tier), and the host tier's
+        ``kv_host_*`` block counts when it is on (``HostKVTier.stats``)."""
         bm = self.block_manager
         return {
             "num_blocks": bm.num_blocks,
@@ -493,6 +500,8 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_query_tokens": bm.prefix_cache_queries,
             "prefix_cache_hit_tokens": bm.prefix_cache_hits,
+            "prefix_cache_host_hit_tokens": bm.prefix_cache_host_hits,
+            **(bm.host_tier.stats() if bm.host_tier is not None else {}),
         }
 
     def dead_ranks(self) -> list[int]:

@@ -71,7 +71,7 @@ def int_list(text: str) -> tuple[int, ...]:
 #: ones given to every worker
 WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
                        ("--max-prefill-tokens-with-decodes", int), ("--target-step-ms", float),
-                       ("--kv-cache-memory-gb", float),
+                       ("--kv-cache-memory-gb", float), ("--kv-host-cache-gb", float),
                        ("--num-kv-blocks", int), ("--max-model-len", int), ("--dtype", str),
                        ("--kv-cache-dtype", str), ("--quantization", str),
                        ("--compile", bool), ("--enforce-eager", bool), ("--no-decode-kv-reuse", bool),
@@ -114,6 +114,7 @@ class LaunchConfig:
     max_prefill_tokens_with_decodes: int | None = None
     target_step_ms: float | None = None
     kv_cache_memory_gb: float | None = None
+    kv_host_cache_gb: float | None = None
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     dtype: str | None = None
@@ -207,6 +208,9 @@ class LaunchConfig:
         if not (self.video_fps > 0 and self.max_video_seconds > 0):  # also rejects nan
             raise LaunchSpecError(f"video_fps and max_video_seconds must be > 0, got {self.video_fps}, "
                                   f"{self.max_video_seconds}")
+        if self.kv_host_cache_gb is not None and not 0 <= self.kv_host_cache_gb < float("inf"):  # also nan
+            raise LaunchSpecError(f"kv_host_cache_gb must be a finite number >= 0 (GiB of host memory per worker "
+                                  f"for evicted prefix-cache blocks; 0: none), got {self.kv_host_cache_gb}")
         if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < float("inf"):  # also nan
             raise LaunchSpecError(f"kv_cache_memory_gb must be a finite number > 0 (GiB of KV cache per worker "
                                   f"rank), got {self.kv_cache_memory_gb}")

@@ -434,6 +434,12 @@ class BaseWorker:
             self.count_total("preemptions", stats.get("num_preemptions", 0))
             self.count_total("prefix_cache_queries_tokens", stats.get("prefix_cache_query_tokens", 0))
             self.count_total("prefix_cache_hits_tokens", stats.get("prefix_cache_hit_tokens", 0))
+            if "kv_host_blocks" in stats:  # the host tier (--kv-host-cache-gb)
+                self.count_total("prefix_cache_host_hits_tokens", stats["prefix_cache_host_hit_tokens"])
+                for name in ("offloaded", "loaded", "evicted"):
+                    self.count_total(f"kv_host_{name}_blocks", stats[f"kv_host_{name}_blocks"])
+                m.kv_host_cache_usage_ratio.labels(**self.labels).set(stats["kv_host_used_blocks"]
+                                                                       / stats["kv_host_blocks"])
 
     def load(self) -> Heartbeat:
         s = self.stats()

@@ -22,7 +22,9 @@ from epd.metrics import (
     PREEMPTIONS,
     PREFILL,
     PREFILL_QUEUE,
+    KV_HOST_EVICTED,
     PREFIX_HITS,
+    PREFIX_HOST_HITS,
     PREFIX_QUERIES,
     QUEUE_DEPTH,
     ROUTED,
@@ -321,6 +323,13 @@ def check_prefix_cache(w: Window, s: Settings) -> list[Check]:
         detail = f"{rate:.1%} of {queries:.0f} prompt tokens hit the cache ({n} instance(s), routing {ev['routing']})"
         if n > 1 and policies and "kv" not in policies:
             detail += "; this routing ignores the cache"
+        host_hits, dropped = w.counter(PREFIX_HOST_HITS, pool=pool), w.counter(KV_HOST_EVICTED, pool=pool)
+        if host_hits or dropped:  # the host tier (--kv-host-cache-gb) says whether evicted blocks were hit later
+            ev.update(host_hit_tokens=host_hits, host_evicted_blocks=dropped)
+            detail += f"; {host_hits:.0f} of the hit tokens came back from the host tier"
+            if dropped:
+                detail += (f", which dropped {dropped:.0f} blocks for lack of room: capacity limits the hit rate "
+                           "(raise --kv-host-cache-gb or --kv-cache-memory-gb)")
         out.append(Check(cid, "symptom" if rate < PREFIX_HIT_RATE_MIN else "ok", pool, detail, ev))
     return out
 

@@ -52,8 +52,10 @@ SYMPTOMS: dict[str, tuple[str, str, str]] = {
         "prefix-cache hit rate under 10%",
         "if prompts repeat (system prompts, few-shot examples, multi-turn history): unstable templates "
         "(per-request text such as a date or an id before the shared part) or routing that ignores the "
-        "cache; prompts that never repeat miss by nature (then --ignore prefix_cache_miss)",
-        "keep the shared part first and byte-identical; route by prefix (--prefill-routing kv)"),
+        "cache; or capacity: blocks are evicted before they are hit again (the host tier's drops say "
+        "so); prompts that never repeat miss by nature (then --ignore prefix_cache_miss)",
+        "keep the shared part first and byte-identical; route by prefix (--prefill-routing kv); for "
+        "capacity, add a host tier (--kv-host-cache-gb) or KV memory"),
     "pool_ratio_mismatch": (
         "pools scaled out of proportion to the input/output token work",
         "one pool is overloaded while the other idles: the prefill:decode instance ratio does not match "

@@ -1,0 +1,64 @@
+"""The prefix cache's host tier in served pools (``--kv-host-cache-gb``): on p:1,d:1 with
+24 KV blocks of 8 per worker, three 81-token prompts evict each other's blocks; the first
+prompt again loads its blocks back from the host tier on both workers (prefill: its
+prefix; decode: decode-side reuse) and answers as transformers does. The counters and
+gauges of the tier move, and every block comes back free."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import hf_greedy
+from tests.serving.conftest import launch
+
+pytestmark = pytest.mark.slow
+BLOCK = 8
+PROMPTS = [list(range(20, 101)), [7 + (k * 37) % 300 for k in range(81)], [9 + (k * 53) % 400 for k in range(81)]]
+
+
+def _metric(server, name: str, instance: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf'^{name}{{[^}}]*instance="{instance}"[^}}]*}} ([0-9.e+]+)$', text, re.M))
+
+
+def test_prompt_evicted_to_host_comes_back(tiny_model_dirs):
+    from epd import LLM, SamplingParams
+
+    path = tiny_model_dirs["llama"]
+    llm = LLM(path, dtype="float32")
+    try:
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert list(out.token_ids) == hf_greedy(path, PROMPTS[:1], 6)[0]
+    with launch(path, "p:1,d:1", "--block-size", str(BLOCK), "--num-kv-blocks", "24",
+                "--kv-host-cache-gb", "0.01") as server:
+        client = server.client()
+
+        def complete(prompt):
+            return client.completions.create(model=server.model, prompt=prompt, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        assert complete(PROMPTS[0]) == out.text
+        for p in PROMPTS[1:]:
+            complete(p)
+        before = server.workers()
+        for inst in ("prefill-0", "decode-0"):
+            assert before[inst]["kv_host_offloaded_blocks"] >= 10 and before[inst]["kv_host_used_blocks"] > 0
+        assert complete(PROMPTS[0]) == out.text
+        after = server.workers()
+        for inst in ("prefill-0", "decode-0"):
+            loaded = after[inst]["prefix_cache_host_hit_tokens"] - before[inst]["prefix_cache_host_hit_tokens"]
+            assert loaded >= 9 * BLOCK, (inst, after[inst])  # most of the prompt's 10 full blocks
+            assert after[inst]["num_free_blocks"] == 24
+        for _ in range(50):  # worker metrics move once per heartbeat
+            if _metric(server, "epd_prefix_cache_host_hits_tokens_total", "prefill-0") >= 9 * BLOCK:
+                break
+            time.sleep(0.1)
+        assert _metric(server, "epd_prefix_cache_host_hits_tokens_total", "prefill-0") >= 9 * BLOCK
+        assert _metric(server, "epd_kv_host_offloaded_blocks_total", "decode-0") >= 10
+        assert 0 < _metric(server, "epd_kv_host_cache_usage_ratio", "prefill-0") <= 1
