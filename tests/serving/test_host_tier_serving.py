@@ -1,5 +1,5 @@
 """The prefix cache's host tier in served pools (``--kv-host-cache-gb``): on p:1,d:1 with
-24 KV blocks of 8 per worker, three 81-token prompts evict each other's blocks; the first
+24 KV blocks of 8 per worker, four 81-token prompts evict each other's blocks; the first
 prompt again loads its blocks back from the host tier on both workers (prefill: its
 prefix; decode: decode-side reuse) and answers as transformers does. The counters and
 gauges of the tier move, and every block comes back free."""
@@ -17,7 +17,8 @@ from tests.serving.conftest import launch
 
 pytestmark = pytest.mark.slow
 BLOCK = 8
-PROMPTS = [list(range(20, 101)), [7 + (k * 37) % 300 for k in range(81)], [9 + (k * 53) % 400 for k in range(81)]]
+PROMPTS = [list(range(20, 101))] + [[base + (k * step) % 400 for k in range(81)] for base, step in ((7, 37), (9, 53),
+                                                                                                     (11, 71))]
 
 
 def _metric(server, name: str, instance: str) -> float:
