@@ -299,7 +299,8 @@ async def run_bench(cfg: BenchConfig) -> dict:
                 raise ValueError("the trace workload needs --trace FILE")
             if mml is None:
                 raise ValueError("the server does not report max_model_len; pass --max-model-len")
-            opts, scale = trace_options(opts.trace_path, mml, cfg.num_requests, cfg.trace_scale, cfg.trace_start)
+            if not opts.trace_rows:  # (rows a caller chose and scaled itself are replayed as given)
+                opts, scale = trace_options(opts.trace_path, mml, cfg.num_requests, cfg.trace_scale, cfg.trace_start)
         per_word, per_word_from = ((cfg.tokens_per_word, "given") if cfg.tokens_per_word is not None
                                    else served_tokens_per_word(model))
         text = TextMaker(per_word)
