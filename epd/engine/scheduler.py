@@ -131,8 +131,8 @@ class Scheduler:
         instance's prefix cache holds heads the block table (decode-side reuse, as
         vLLM's NixlConnector counts a decode instance's local hits): only the blocks
         after it need writing; ``seq.num_cached_tokens`` says how many tokens that is
-        (``reuse`` False: none, no lookup). Returns False (nothing changed) when the batch is full, sequences are
-        queued, or blocks are short."""
+        (``reuse`` False: none, no lookup). Returns False (nothing changed) when the
+        batch is full, sequences are queued, or blocks are short."""
         if len(self.running) + len(self.waiting_for_remote_kv) >= self.max_num_seqs or self.waiting:
             return False
         bm = self.block_manager
