@@ -73,6 +73,16 @@ def test_check_port_free_bad_host_and_port():
         check_port_free("no-such-host.invalid", 8000)
 
 
+def test_host_tier_is_refused_with_tp_before_any_worker_starts():
+    from epd.launch.config import LaunchConfig
+
+    with pytest.raises(LaunchSpecError, match="--kv-host-cache-gb .* needs TP 1 in every pool"):
+        LaunchConfig(pools="p:3,d:1", tp="p:3,d:1", kv_host_cache_gb=1.0)
+    with pytest.raises(LaunchSpecError, match="finite number >= 0"):
+        LaunchConfig(kv_host_cache_gb=-1.0)
+    assert "--kv-host-cache-gb" in LaunchConfig(pools="p:2,d:1", kv_host_cache_gb=0.5).forwarded_worker_args()
+
+
 def test_find_free_port():
     port = find_free_port()
     assert 0 < port < 65536

@@ -43,15 +43,19 @@ def add_parser(sub) -> None:
     la.add_argument("--cluster-keys", default=d.cluster_keys,
                     help="directory of the CURVE keys every control socket uses (`epd keys generate`) "
                          "(default: $EPD_CLUSTER_KEYS, else fresh keys for this launch only)")
+    helps = {"--kv-host-cache-gb": "GiB of host memory per worker for the prefix cache's host tier: evicted "
+                                   "blocks are kept and loaded back on a hit (TP 1; default 0: off)",
+             "--no-decode-kv-reuse": "decode workers write every prompt block instead of only those after "
+                                     "their own cached prefix (A/B runs)"}
     for flag, typ in WORKER_ENGINE_FLAGS:
         if typ is bool:
             la.add_argument(flag, action="store_true", default=getattr(d, flag[2:].replace("-", "_")),
-                            help="forwarded to every worker (see `epd worker --help`)")
+                            help=helps.get(flag, "forwarded to every worker (see `epd worker --help`)"))
             continue
         la.add_argument(flag, type=typ, default=getattr(d, flag[2:].replace("-", "_")),
                         choices={"--dtype": DTYPE_NAMES, "--kv-cache-dtype": KV_CACHE_DTYPE_NAMES,
                                  "--quantization": QUANTIZATION_NAMES}.get(flag),
-                        help="forwarded to every worker (default: the worker's)")
+                        help=helps.get(flag, "forwarded to every worker (default: the worker's)"))
     add_routing_args(la.add_argument_group("routing"), d)
     add_recovery_args(la.add_argument_group("failure recovery"), d)
     add_api_args(la.add_argument_group("OpenAI API"), d)

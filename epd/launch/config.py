@@ -165,7 +165,10 @@ class LaunchConfig:
     kv_agents: str = "rank0"  # one of KV_AGENTS (epd.transfer.rank_agent)
 
     def __post_init__(self) -> None:
-        parse_tp(self.tp, parse_pools(self.pools))
+        tp = parse_tp(self.tp, parse_pools(self.pools))
+        if self.kv_host_cache_gb and any(size > 1 for size in tp.values()):
+            raise LaunchSpecError(f"--kv-host-cache-gb (the prefix cache's host tier) needs TP 1 in every pool (the "
+                                  f"tier copies one rank's KV), got --tp {self.tp}")
         for role, field_name in ((Role.ENCODE, "encode_routing"), (Role.PREFILL, "prefill_routing"),
                                  (Role.DECODE, "decode_routing")):
             if getattr(self, field_name) not in ROUTING_POLICIES[role]:
