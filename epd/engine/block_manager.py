@@ -79,26 +79,26 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[int] = []
+        protected = 0  # (host tier) hit blocks that are free, moved to the MRU end: no load takes them
         for block_hash in iter_block_hashes(seq.token_ids, self.block_size, seq.mm_placeholders, max_blocks):
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None and self.host_tier is not None:
-                block_id = self._load_from_host(block_hash, hit)
+                block_id = self._load_from_host(block_hash, protected)
             if block_id is None:
                 break
+            if self.host_tier is not None and block_id in self.free_blocks:
+                self.free_blocks.move_to_end(block_id)
+                protected += 1
             hit.append(block_id)
         return hit
 
-    def _load_from_host(self, block_hash: bytes, hit: list[int]) -> int | None:
+    def _load_from_host(self, block_hash: bytes, protected: int) -> int | None:
         """Load ``block_hash``'s block from the host tier into a free block, now cached
         and free (most recently used); None when the tier lacks it or no free block is
-        left but ``hit``'s (which are moved out of reach first: a load never takes one)."""
+        left but the ``protected`` ones at the MRU end (the lookup's hits: a load never
+        takes one)."""
         if self.host_tier.lookup(block_hash) is None:
             return None
-        protected = 0
-        for block_id in hit:
-            if block_id in self.free_blocks:
-                self.free_blocks.move_to_end(block_id)
-                protected += 1
         if len(self.free_blocks) <= protected:
             return None
         block_id = self._pop_free_block()  # (it may offload the block it evicts: looked up again below)

@@ -562,7 +562,6 @@ class NixlTransport(TransferHold):
             agent.send_notif(peer, msg)
         except Exception as e:
             raise TransferError(f"send_notif to peer {peer!r} failed: {type(e).__name__}: {e}") from e
-        self._progress_quietly()
 
     # -- teardown -----------------------------------------------------------------------
 
