@@ -153,6 +153,10 @@ class BaseWorker:
         self._loop = 0  # main-loop iterations: the progress every heartbeat carries
         self._loop_at = time.monotonic()  # when the main loop last began an iteration
         self._hb_seq = 0
+        # Fault injection for the migration tests: every step of this worker takes this many
+        # seconds longer, as on a slow or overloaded host, so a test acts while it is still
+        # generating (the client, not the worker, is what lags on a busy test machine).
+        self._inject_step_delay_s = float(os.environ.get("EPD_INJECT_STEP_DELAY_S", "0") or 0)
         spec = os.environ.get("EPD_INJECT_HANDLER_ERROR", "")  # read once: handle() runs per message
         self._inject: tuple[str, str, int] | None = None
         if spec:
@@ -473,6 +477,8 @@ class BaseWorker:
                     if self.budget is not None:
                         self.budget.acquire()
                     self.step()
+                    if self._inject_step_delay_s:
+                        time.sleep(self._inject_step_delay_s)
                 elif self.budget is not None:
                     self.budget.release()
                 now = time.monotonic()

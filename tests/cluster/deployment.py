@@ -35,13 +35,13 @@ class Deployment:
                                      str(ROUTER_PORT), "--pools", self.pools, "--cluster-keys", self.keys,
                                      "--max-retries", "3")
 
-    def start_worker(self, host: str, role: str, inst: str, *extra: str) -> None:
+    def start_worker(self, host: str, role: str, inst: str, *extra: str, env: dict[str, str] | None = None) -> None:
         if host not in self.c.hosts:
             self.c.add_host(host)
         http_port = 9100 + sum(1 for h, _ in self.workers.values() if h == host)
         proc = self.c.epd(host, inst, "worker", "--role", role, "--instance-id", inst, "--router", self.router,
                           "--advertise-host", self.c.addr(host), "--cluster-keys", self.keys, "--model", self.model,
-                          "--http-port", str(http_port), *WORKER_ARGS, *extra)
+                          "--http-port", str(http_port), *WORKER_ARGS, *extra, env=env)
         self.workers[inst] = (host, proc)
 
     def get(self, path: str, timeout_s: float = 30.0) -> httpx.Response:

@@ -50,6 +50,11 @@ LONG = 160  # tokens per answer in the parity test
 # so these are long enough that the worker is still generating when the client acts.
 MID = 1000
 SHORT = 16
+# Decode workers that a test kills or cuts off mid-stream take 20 ms longer per step (MID
+# tokens: at least 20 s), so they are still generating when the clients act: on a busy
+# machine the clients, not the workers, lag (CI once saw every stream of the victim end
+# in the worker before the slowest client had read 5 chunks).
+SLOW_STEPS = {"EPD_INJECT_STEP_DELAY_S": "0.02"}
 
 
 def _prompt(i: int) -> list[int]:
@@ -103,7 +108,7 @@ def dep(llama_dir, keys_dir, tmp_path_factory):
         d.start_serve()
         for host, role, inst in (("pre", "prefill", "prefill-0"), ("pre", "prefill", "prefill-1"),
                                  ("dec-a", "decode", "decode-0"), ("dec-b", "decode", "decode-1")):
-            d.start_worker(host, role, inst)
+            d.start_worker(host, role, inst, env=SLOW_STEPS if role == "decode" else None)
         d.wait_healthy()
         yield d
     finally:
@@ -172,7 +177,7 @@ def test_killing_a_decode_host_mid_stream_migrates(dep, expected):
 def test_a_worker_started_later_on_a_new_host_receives_traffic(dep, expected):
     """decode-2 starts on a new host dec-c: it registers and is routed requests."""
     before = dep.metric("epd_routing_decisions_total", pool="decode", instance="decode-2")
-    dep.start_worker("dec-c", "decode", "decode-2")
+    dep.start_worker("dec-c", "decode", "decode-2", env=SLOW_STEPS)
     dep.wait(lambda: "decode-2" in dep.registered(), "decode-2 to join")
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda i: dep.complete(_prompt(i), SHORT), range(8)))
