@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +86,10 @@ class EngineConfig:
         kv_host_cache_gb: host memory for the prefix cache's host tier, GiB (0: off;
             ``epd.engine.host_kv_tier``): evicted full blocks are kept there and loaded
             back on a later hit. Needs prefix caching and TP 1.
+        kv_disk_cache_dir: directory for the disk tier under the host tier (None: off;
+            ``epd.engine.disk_kv_tier``): blocks the host tier evicts are written to one
+            anonymous file there, bounded by ``kv_disk_cache_gb``, and read back on a hit.
+        kv_disk_cache_gb: size of the disk tier's file, GiB (> 0 with a directory).
         dtype: "auto" (:func:`auto_dtype`: bf16 where the device computes it natively,
             else fp32), or a name ("float32", "bfloat16", "float16"). The KV cache
             follows it unless ``kv_cache_dtype`` quantizes it.
@@ -126,6 +131,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 2.0
     kv_host_cache_gb: float = 0.0
+    kv_disk_cache_dir: str | None = None
+    kv_disk_cache_gb: float = 0.0
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
@@ -203,6 +210,15 @@ class EngineConfig:
             raise ConfigError("kv_host_cache_gb (the prefix cache's host tier) needs prefix caching and tensor "
                               f"parallelism 1 (the tier copies one rank's KV), got TP {self.tensor_parallel_size}"
                               + ("" if self.enable_prefix_caching else " without prefix caching"))
+        if not 0 <= self.kv_disk_cache_gb < float("inf"):
+            raise ConfigError(f"kv_disk_cache_gb must be a finite number >= 0, got {self.kv_disk_cache_gb}")
+        if bool(self.kv_disk_cache_dir) != bool(self.kv_disk_cache_gb):
+            raise ConfigError("the disk KV tier needs both kv_disk_cache_dir and kv_disk_cache_gb > 0, got "
+                              f"{self.kv_disk_cache_dir!r} and {self.kv_disk_cache_gb}")
+        if self.kv_disk_cache_dir and not self.kv_host_cache_gb:
+            raise ConfigError("the disk KV tier (kv_disk_cache_dir) sits under the host tier: set kv_host_cache_gb too")
+        if self.kv_disk_cache_dir and not os.path.isdir(self.kv_disk_cache_dir):
+            raise ConfigError(f"kv_disk_cache_dir {self.kv_disk_cache_dir!r} is not a directory")
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes captured as CUDA graphs ([] where none are: on a CPU,

@@ -44,6 +44,7 @@ class LLM:
                  enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
                  kv_cache_memory_gb: float = 2.0, dtype: str = "auto", kv_cache_dtype: str = "auto",
                  device: str = "auto", seed: int = 0, kv_host_cache_gb: float = 0.0,
+                 kv_disk_cache_dir: str | None = None, kv_disk_cache_gb: float = 0.0,
                  compile: bool = False, enforce_eager: bool = False, quantization: str | None = None,
                  audio_mode: str = "auto", encoder_cache_gb: float = 0.5, video_fps: float = 2.0,
                  max_video_frames: int = 32, max_video_seconds: float = 600.0) -> None:
@@ -55,7 +56,8 @@ class LLM:
                               target_step_ms=target_step_ms,
                               max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
                               num_kv_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb,
-                              kv_host_cache_gb=kv_host_cache_gb,
+                              kv_host_cache_gb=kv_host_cache_gb, kv_disk_cache_dir=kv_disk_cache_dir,
+                              kv_disk_cache_gb=kv_disk_cache_gb,
                               dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device, seed=seed, compile=compile,
                               enforce_eager=enforce_eager, quantization=quantization)
         self.engine = LLMEngine(config, self.tokenizer)

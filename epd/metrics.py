@@ -92,6 +92,12 @@ KV_HOST_OFFLOADED = "epd_kv_host_offloaded_blocks_total"
 KV_HOST_LOADED = "epd_kv_host_loaded_blocks_total"
 KV_HOST_EVICTED = "epd_kv_host_evicted_blocks_total"
 KV_HOST_USAGE = "epd_kv_host_cache_usage_ratio"
+PREFIX_DISK_HITS = "epd_prefix_cache_disk_hits_tokens_total"
+KV_DISK_STORED = "epd_kv_disk_stored_blocks_total"
+KV_DISK_LOADED = "epd_kv_disk_loaded_blocks_total"
+KV_DISK_EVICTED = "epd_kv_disk_evicted_blocks_total"
+KV_DISK_WRITE_ERRORS = "epd_kv_disk_write_errors_total"
+KV_DISK_USAGE = "epd_kv_disk_cache_usage_ratio"
 ENCODER_QUERIES = "epd_encoder_cache_queries_total"
 ENCODER_HITS = "epd_encoder_cache_hits_total"
 ENCODE_VIDEO_CHUNKS = "epd_encode_video_chunks_total"
@@ -164,6 +170,12 @@ class Metrics:
         kv_host_loaded_blocks: host-tier blocks copied back for a prefix hit.
         kv_host_evicted_blocks: host-tier blocks dropped (least recently used) for newer
             ones: a hit rate that stays low while this grows is the tier's capacity.
+        prefix_cache_disk_hits_tokens: of the host tier's hits, tokens its disk tier
+            (``--kv-disk-cache-dir``) read back.
+        kv_disk_stored_blocks: blocks the host tier evicted that were written to disk.
+        kv_disk_loaded_blocks: disk-tier blocks read back for a prefix hit.
+        kv_disk_evicted_blocks: disk-tier blocks dropped (least recently used) for newer ones.
+        kv_disk_write_errors: disk-tier writes that failed (the block became a miss).
         encoder_cache_queries: multimodal items looked up in the encoder (embedding) cache.
         encoder_cache_hits: of those, items whose embedding was reused.
         encode_video_chunks: chunks of temporal patches of a long video an encode worker
@@ -191,6 +203,7 @@ class Metrics:
         kv_fenced_blocks: a decode instance's KV blocks held by aborted reservations
             whose writer may still write (not done, not gone).
         kv_host_cache_usage_ratio: used / total blocks of the instance's host tier, 0..1.
+        kv_disk_cache_usage_ratio: used / total blocks of the instance's disk tier, 0..1.
         pool_instances: instances per pool as the router sees them, label ``state``
             (live: routable; draining; dead: registered, not alive, not forgotten yet), labels
             ``pool`` and ``state`` only; ``epd_pool_instances``.
@@ -247,6 +260,11 @@ class Metrics:
     kv_host_offloaded_blocks: object
     kv_host_loaded_blocks: object
     kv_host_evicted_blocks: object
+    prefix_cache_disk_hits_tokens: object
+    kv_disk_stored_blocks: object
+    kv_disk_loaded_blocks: object
+    kv_disk_evicted_blocks: object
+    kv_disk_write_errors: object
     encoder_cache_queries: object
     encoder_cache_hits: object
     encode_video_chunks: object
@@ -259,6 +277,7 @@ class Metrics:
     queued_prompt_tokens: object
     kv_fenced_blocks: object
     kv_host_cache_usage_ratio: object
+    kv_disk_cache_usage_ratio: object
     pool_instances: object
 
 
@@ -319,6 +338,13 @@ _COUNTERS = {
     "kv_host_offloaded_blocks": (_family(KV_HOST_OFFLOADED), "Evicted prefix-cache blocks copied to the host tier"),
     "kv_host_loaded_blocks": (_family(KV_HOST_LOADED), "Host-tier blocks copied back for a prefix hit"),
     "kv_host_evicted_blocks": (_family(KV_HOST_EVICTED), "Host-tier blocks dropped for newer ones (tier full)"),
+    "prefix_cache_disk_hits_tokens": (_family(PREFIX_DISK_HITS), "Prompt tokens found in the prefix cache's disk "
+                                      "tier (read back, not recomputed)"),
+    "kv_disk_stored_blocks": (_family(KV_DISK_STORED), "Host-tier evictions written to the disk tier"),
+    "kv_disk_loaded_blocks": (_family(KV_DISK_LOADED), "Disk-tier blocks read back for a prefix hit"),
+    "kv_disk_evicted_blocks": (_family(KV_DISK_EVICTED), "Disk-tier blocks dropped for newer ones (tier full)"),
+    "kv_disk_write_errors": (_family(KV_DISK_WRITE_ERRORS), "Disk-tier writes that failed (the block became a "
+                             "miss)"),
     "encoder_cache_queries": (_family(ENCODER_QUERIES), "Multimodal items looked up in the encoder cache"),
     "encoder_cache_hits": (_family(ENCODER_HITS), "Multimodal items found in the encoder cache"),
     "encode_video_chunks": (_family(ENCODE_VIDEO_CHUNKS), "Chunks of temporal patches of a video an encode worker was "
@@ -335,6 +361,8 @@ _GAUGES = {
                              "partly prefilled requests)", "livemax"),
     "kv_fenced_blocks": (KV_FENCED_BLOCKS, "KV blocks of aborted reservations whose writer may still write",
                          "livemax"),
+    "kv_disk_cache_usage_ratio": (KV_DISK_USAGE, "Used / total blocks of the prefix cache's disk tier, 0..1",
+                                  "livemax"),
     "kv_host_cache_usage_ratio": (KV_HOST_USAGE, "Used / total blocks of the prefix cache's host tier, 0..1",
                                   "livemax"),
 }

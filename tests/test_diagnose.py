@@ -377,6 +377,19 @@ def test_prefix_cache_miss():
     assert check.status == "symptom" and "capacity limits the hit rate" in check.detail
     assert check.evidence["host_evicted_blocks"] == 120 and check.evidence["host_hit_tokens"] == 300
 
+    def disk_kept(f: FakeEpd) -> None:  # a disk tier keeps what the host drops: not capacity, until it drops too
+        tier_full(f)
+        f.inc(em.KV_DISK_STORED, "prefill", 120)
+        f.inc(em.PREFIX_DISK_HITS, "prefill", 100)
+    check = next(c for c in dg.evaluate(_window(FakeEpd(), disk_kept)) if c.id == "prefix_cache_miss")
+    assert "capacity" not in check.detail and check.evidence["disk_hit_tokens"] == 100
+
+    def disk_full(f: FakeEpd) -> None:
+        disk_kept(f)
+        f.inc(em.KV_DISK_EVICTED, "prefill", 50)
+    check = next(c for c in dg.evaluate(_window(FakeEpd(), disk_full)) if c.id == "prefix_cache_miss")
+    assert "capacity limits the hit rate" in check.detail and check.evidence["disk_evicted_blocks"] == 50
+
 
 def test_pool_ratio_mismatch():
     # p:1,d:2: prefill busy (two prompts at once) and queueing, both decode instances nearly idle

@@ -83,6 +83,21 @@ def test_host_tier_is_refused_with_tp_before_any_worker_starts():
     assert "--kv-host-cache-gb" in LaunchConfig(pools="p:2,d:1", kv_host_cache_gb=0.5).forwarded_worker_args()
 
 
+def test_disk_tier_is_refused_without_its_size_or_the_host_tier(tmp_path):
+    from epd.launch.config import LaunchConfig
+
+    for kwargs in ({"kv_disk_cache_dir": str(tmp_path), "kv_disk_cache_gb": 1.0},  # no host tier
+                   {"kv_host_cache_gb": 1.0, "kv_disk_cache_dir": str(tmp_path)},  # no size
+                   {"kv_host_cache_gb": 1.0, "kv_disk_cache_gb": 1.0},  # no directory
+                   {"kv_host_cache_gb": 1.0, "kv_disk_cache_dir": str(tmp_path), "kv_disk_cache_gb": float("nan")}):
+        with pytest.raises(LaunchSpecError, match="disk tier needs --kv-disk-cache-dir"):
+            LaunchConfig(**kwargs)
+    args = LaunchConfig(kv_host_cache_gb=1.0, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=2.0)
+    forwarded = args.forwarded_worker_args()
+    assert forwarded[forwarded.index("--kv-disk-cache-dir") + 1] == str(tmp_path)
+    assert forwarded[forwarded.index("--kv-disk-cache-gb") + 1] == "2.0"
+
+
 def test_find_free_port():
     port = find_free_port()
     assert 0 < port < 65536

@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
                          "(default: $EPD_CLUSTER_KEYS, else fresh keys for this launch only)")
     helps = {"--kv-host-cache-gb": "GiB of host memory per worker for the prefix cache's host tier: evicted "
                                    "blocks are kept and loaded back on a hit (TP 1; default 0: off)",
+             "--kv-disk-cache-dir": "directory for the disk tier under the host tier: each worker writes the "
+                                    "blocks its host tier evicts to one anonymous file there",
+             "--kv-disk-cache-gb": "GiB of disk per worker for that tier (with --kv-disk-cache-dir)",
              "--no-decode-kv-reuse": "decode workers write every prompt block instead of only those after "
                                      "their own cached prefix (A/B runs)"}
     for flag, typ in WORKER_ENGINE_FLAGS:

@@ -103,6 +103,12 @@ def add_parser(sub) -> None:
     w.add_argument("--kv-host-cache-gb", type=float, default=0.0,
                    help="host memory (GiB) for the prefix cache's host tier: evicted full blocks are kept there "
                         "and loaded back on a later hit instead of recomputed (default 0: off; TP 1 only)")
+    w.add_argument("--kv-disk-cache-dir", default=None,
+                   help="directory for the prefix cache's disk tier under the host tier: blocks the host tier "
+                        "evicts are written to one anonymous file there (gone with the process) and read back "
+                        "on a hit (needs --kv-host-cache-gb and --kv-disk-cache-gb)")
+    w.add_argument("--kv-disk-cache-gb", type=float, default=0.0,
+                   help="size (GiB) of the disk tier's file (default 0: off)")
     w.add_argument("--num-kv-blocks", type=positive_int, default=None,
                    help="KV cache size in blocks (overrides --kv-cache-memory-gb)")
     w.add_argument("--max-model-len", type=positive_int, default=None)

@@ -41,6 +41,7 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.prefix_cache_host_hits = 0  # of the blocks found, tokens loaded back from the host tier
+        self.prefix_cache_disk_hits = 0  # ... of which the host tier read back from its disk tier
         # The host tier (epd.engine.host_kv_tier.HostKVTier; None: off): evicted hashed
         # blocks are kept there, and a lookup continues there past the device's hits.
         self.host_tier = None
@@ -97,15 +98,16 @@ class BlockManager:
         and free (most recently used); None when the tier lacks it or no free block is
         left but the ``protected`` ones at the MRU end (the lookup's hits: a load never
         takes one)."""
-        if self.host_tier.lookup(block_hash) is None:
+        if block_hash not in self.host_tier:
             return None
         if len(self.free_blocks) <= protected:
             return None
         block_id = self._pop_free_block()  # (it may offload the block it evicts: looked up again below)
         block = self.blocks[block_id]
         block.ref_count = 0
-        slot = self.host_tier.lookup(block_hash)
-        if slot is None:  # a one-block tier just gave its slot to the evicted block
+        from_disk = self.host_tier.disk_hits
+        slot = self.host_tier.lookup(block_hash)  # (read back from the disk tier if only it holds it)
+        if slot is None:  # a one-block tier just gave its slot to the evicted block, or a disk write failed
             self.free_blocks[block_id] = None
             self.free_blocks.move_to_end(block_id, last=False)  # unhashed: taken first
             return None
@@ -115,6 +117,8 @@ class BlockManager:
         self._record_kv_event(block_hash, True)
         self.free_blocks[block_id] = None
         self.prefix_cache_host_hits += self.block_size
+        if self.host_tier.disk_hits > from_disk:
+            self.prefix_cache_disk_hits += self.block_size
         return block_id
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:

@@ -111,8 +111,16 @@ class LLMEngine:
         if config.kv_host_cache_gb:
             from epd.engine.host_kv_tier import HostKVTier
 
+            disk = None
+            if config.kv_disk_cache_dir:
+                from epd.engine.disk_kv_tier import DiskKVTier
+
+                k = self.runner.k_cache
+                num_disk = int(config.kv_disk_cache_gb * 2**30 // config.kv_bytes_per_block())
+                disk = DiskKVTier(config.kv_disk_cache_dir, (k.shape[0], *k.shape[2:]), k.dtype, max(1, num_disk))
             num_host = int(config.kv_host_cache_gb * 2**30 // config.kv_bytes_per_block())
-            self.block_manager.host_tier = HostKVTier(self.runner.k_cache, self.runner.v_cache, max(1, num_host))
+            self.block_manager.host_tier = HostKVTier(self.runner.k_cache, self.runner.v_cache, max(1, num_host),
+                                                      disk)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_tokens_with_decodes or None,
                                    target_step_ms=config.target_step_ms or None)
@@ -501,6 +509,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": bm.prefix_cache_queries,
             "prefix_cache_hit_tokens": bm.prefix_cache_hits,
             "prefix_cache_host_hit_tokens": bm.prefix_cache_host_hits,
+            "prefix_cache_disk_hit_tokens": bm.prefix_cache_disk_hits,
             **(bm.host_tier.stats() if bm.host_tier is not None else {}),
         }
 
@@ -512,6 +521,8 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
+        if self.block_manager.host_tier is not None:
+            self.block_manager.host_tier.close()
         for pool in (self._mask_thread, self._compile_thread):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)

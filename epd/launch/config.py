@@ -72,6 +72,7 @@ def int_list(text: str) -> tuple[int, ...]:
 WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-num-batched-tokens", int),
                        ("--max-prefill-tokens-with-decodes", int), ("--target-step-ms", float),
                        ("--kv-cache-memory-gb", float), ("--kv-host-cache-gb", float),
+                       ("--kv-disk-cache-dir", str), ("--kv-disk-cache-gb", float),
                        ("--num-kv-blocks", int), ("--max-model-len", int), ("--dtype", str),
                        ("--kv-cache-dtype", str), ("--quantization", str),
                        ("--compile", bool), ("--enforce-eager", bool), ("--no-decode-kv-reuse", bool),
@@ -115,6 +116,8 @@ class LaunchConfig:
     target_step_ms: float | None = None
     kv_cache_memory_gb: float | None = None
     kv_host_cache_gb: float | None = None
+    kv_disk_cache_dir: str | None = None
+    kv_disk_cache_gb: float | None = None
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     dtype: str | None = None
@@ -214,6 +217,12 @@ class LaunchConfig:
         if self.kv_host_cache_gb is not None and not 0 <= self.kv_host_cache_gb < float("inf"):  # also nan
             raise LaunchSpecError(f"kv_host_cache_gb must be a finite number >= 0 (GiB of host memory per worker "
                                   f"for evicted prefix-cache blocks; 0: none), got {self.kv_host_cache_gb}")
+        if (self.kv_disk_cache_dir or self.kv_disk_cache_gb) and not (
+                self.kv_disk_cache_dir and self.kv_disk_cache_gb and self.kv_disk_cache_gb < float("inf")
+                and self.kv_host_cache_gb):
+            raise LaunchSpecError("the prefix cache's disk tier needs --kv-disk-cache-dir, a finite "
+                                  "--kv-disk-cache-gb > 0 and the host tier above it (--kv-host-cache-gb), got "
+                                  f"{self.kv_disk_cache_dir!r}, {self.kv_disk_cache_gb}, {self.kv_host_cache_gb}")
         if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < float("inf"):  # also nan
             raise LaunchSpecError(f"kv_cache_memory_gb must be a finite number > 0 (GiB of KV cache per worker "
                                   f"rank), got {self.kv_cache_memory_gb}")

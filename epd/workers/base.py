@@ -444,6 +444,13 @@ class BaseWorker:
                     self.count_total(f"kv_host_{name}_blocks", stats[f"kv_host_{name}_blocks"])
                 m.kv_host_cache_usage_ratio.labels(**self.labels).set(stats["kv_host_used_blocks"]
                                                                        / stats["kv_host_blocks"])
+            if "kv_disk_blocks" in stats:  # the disk tier under it (--kv-disk-cache-dir)
+                self.count_total("prefix_cache_disk_hits_tokens", stats["prefix_cache_disk_hit_tokens"])
+                for name in ("stored", "loaded", "evicted"):
+                    self.count_total(f"kv_disk_{name}_blocks", stats[f"kv_disk_{name}_blocks"])
+                self.count_total("kv_disk_write_errors", stats["kv_disk_write_errors"])
+                m.kv_disk_cache_usage_ratio.labels(**self.labels).set(stats["kv_disk_used_blocks"]
+                                                                       / stats["kv_disk_blocks"])
 
     def load(self) -> Heartbeat:
         s = self.stats()

@@ -63,3 +63,48 @@ def test_prompt_evicted_to_host_comes_back(tiny_model_dirs):
         assert _metric(server, "epd_prefix_cache_host_hits_tokens_total", "prefill-0") >= 9 * BLOCK
         assert _metric(server, "epd_kv_host_offloaded_blocks_total", "decode-0") >= 10
         assert 0 < _metric(server, "epd_kv_host_cache_usage_ratio", "prefill-0") <= 1
+
+
+def test_prompt_evicted_to_disk_comes_back(tiny_model_dirs, tmp_path):
+    """Host tiers of 4 blocks with a disk tier under them: the first prompt's blocks go
+    device -> host -> disk and come back from disk on both workers, exactly."""
+    from epd import LLM, SamplingParams
+    from epd.config import EngineConfig
+
+    path = tiny_model_dirs["llama"]
+    llm = LLM(path, dtype="float32")
+    try:
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert list(out.token_ids) == hf_greedy(path, PROMPTS[:1], 6)[0]
+    host_gb = 4 * EngineConfig(path, dtype="float32", block_size=BLOCK).kv_bytes_per_block() / 2**30
+    with launch(path, "p:1,d:1", "--block-size", str(BLOCK), "--num-kv-blocks", "24",
+                "--kv-host-cache-gb", repr(host_gb), "--kv-disk-cache-dir", str(tmp_path),
+                "--kv-disk-cache-gb", "0.01") as server:
+        client = server.client()
+
+        def complete(prompt):
+            return client.completions.create(model=server.model, prompt=prompt, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        assert complete(PROMPTS[0]) == out.text
+        for p in PROMPTS[1:]:
+            complete(p)
+        before = server.workers()
+        for inst in ("prefill-0", "decode-0"):
+            assert before[inst]["kv_host_blocks"] == 4 and before[inst]["kv_disk_stored_blocks"] >= 6, before[inst]
+        assert complete(PROMPTS[0]) == out.text
+        after = server.workers()
+        for inst in ("prefill-0", "decode-0"):
+            read = after[inst]["prefix_cache_disk_hit_tokens"] - before[inst]["prefix_cache_disk_hit_tokens"]
+            assert read >= 5 * BLOCK, (inst, after[inst])
+            assert after[inst]["num_free_blocks"] == 24 and after[inst]["kv_disk_write_errors"] == 0
+        assert list(tmp_path.iterdir()) == []  # anonymous files: nothing named on disk
+        for _ in range(50):  # worker metrics move once per heartbeat
+            if _metric(server, "epd_prefix_cache_disk_hits_tokens_total", "prefill-0") >= 5 * BLOCK:
+                break
+            time.sleep(0.1)
+        assert _metric(server, "epd_prefix_cache_disk_hits_tokens_total", "prefill-0") >= 5 * BLOCK
+        assert _metric(server, "epd_kv_disk_stored_blocks_total", "decode-0") >= 6
+        assert 0 < _metric(server, "epd_kv_disk_cache_usage_ratio", "prefill-0") <= 1

@@ -14,6 +14,8 @@ from epd.metrics import (
     E2E,
     ITL,
     KV_BYTES,
+    KV_DISK_EVICTED,
+    KV_DISK_STORED,
     KV_FAILURES,
     KV_HOST_EVICTED,
     KV_OPS,
@@ -23,6 +25,7 @@ from epd.metrics import (
     PREEMPTIONS,
     PREFILL,
     PREFILL_QUEUE,
+    PREFIX_DISK_HITS,
     PREFIX_HITS,
     PREFIX_HOST_HITS,
     PREFIX_QUERIES,
@@ -327,9 +330,14 @@ def check_prefix_cache(w: Window, s: Settings) -> list[Check]:
         if host_hits or dropped:  # the host tier (--kv-host-cache-gb) says whether evicted blocks were hit later
             ev.update(host_hit_tokens=host_hits, host_evicted_blocks=dropped)
             detail += f"; {host_hits:.0f} of the hit tokens came back from the host tier"
+            disk_hits, stored = w.counter(PREFIX_DISK_HITS, pool=pool), w.counter(KV_DISK_STORED, pool=pool)
+            if disk_hits or stored:  # a disk tier under it keeps what the host tier evicts: it drops only its own
+                dropped = w.counter(KV_DISK_EVICTED, pool=pool)
+                ev.update(disk_hit_tokens=disk_hits, disk_evicted_blocks=dropped)
+                detail += f" ({disk_hits:.0f} read back from its disk tier)"
             if dropped:
                 detail += (f", which dropped {dropped:.0f} blocks for lack of room: capacity limits the hit rate "
-                           "(raise --kv-host-cache-gb or --kv-cache-memory-gb)")
+                           "(raise --kv-disk-cache-gb, --kv-host-cache-gb or --kv-cache-memory-gb)")
         out.append(Check(cid, "symptom" if rate < PREFIX_HIT_RATE_MIN else "ok", pool, detail, ev))
     return out
 
