@@ -13,6 +13,13 @@ the request with the same function as the engine, so an instance's overlap is
 exactly the number of leading blocks its ``get_computed_blocks`` would hit
 (as of its last report).
 
+Tiers: an instance with a host tier (``--kv-host-cache-gb``, and a disk tier
+under it) still holds a block evicted from its KV cache, one copy away. Its
+reports say where each hash is now (``stored``: the KV cache; ``stored_host``,
+``stored_disk``; ``removed``: nowhere), and the index keeps that tier per
+instance and hash (``TIERS``), so a routing cost can weigh a hit by what loading
+it costs (``tier_counts``).
+
 Reports lag the routing decision (a prefill takes a while, and reports go out
 once per heartbeat), so a request that follows another with the same prefix
 would otherwise be routed before the first one's blocks are known. As in
@@ -54,6 +61,8 @@ HASH_BYTES = 16  # xxh3-128 digest
 DEFAULT_MAX_HASHES = 1 << 20
 #: seconds a routed request's blocks count as cached on its instance before its report
 PREDICTION_TTL_S = 5.0
+#: where an instance holds a block, nearest first (the index stores the position)
+TIERS = ("device", "host", "disk")
 
 
 class KVIndex:
@@ -67,7 +76,7 @@ class KVIndex:
 
     def __init__(self, prediction_ttl_s: float = PREDICTION_TTL_S) -> None:
         self.holders: dict[bytes, set[str]] = {}
-        self.by_instance: dict[str, set[bytes]] = {}
+        self.by_instance: dict[str, dict[bytes, int]] = {}  # instance -> {hash: its TIERS position}
         self.pids: dict[str, int] = {}  # the process whose reports the entries came from
         self.prediction_ttl_s = prediction_ttl_s
         self.predicted: dict[bytes, dict[str, float]] = {}  # hash -> {instance: expiry (monotonic s)}
@@ -125,18 +134,20 @@ class KVIndex:
 
     def apply(self, ev: KVEvents, registered_pid: int | None, max_hashes: int | None = None) -> bool:
         """Apply one report: forget all of the instance's hashes if ``ev.cleared``,
-        then remove ``ev.removed``, then add ``ev.stored``.
+        then remove ``ev.removed``, then set ``ev.stored`` (device),
+        ``ev.stored_host`` and ``ev.stored_disk`` with their tier.
 
         ``registered_pid``: the pid of the instance's current ``WorkerReady`` (None:
-        unknown instance). ``max_hashes``: the instance's KV block count (it cannot
-        cache more distinct blocks). Returns False, changing nothing, for a report
+        unknown instance). ``max_hashes``: the blocks its KV cache and tiers hold (it
+        cannot cache more distinct blocks). Returns False, changing nothing, for a report
         from an unknown instance or another process, or one with a malformed hash;
         an instance over ``max_hashes`` has all its entries dropped.
         """
         inst = ev.instance_id
         if registered_pid is None or ev.pid != registered_pid:
             return False
-        if any(len(h) != HASH_BYTES for h in ev.stored) or any(len(h) != HASH_BYTES for h in ev.removed):
+        if any(len(h) != HASH_BYTES for hashes in (ev.stored, ev.removed, ev.stored_host, ev.stored_disk)
+               for h in hashes):
             logger.warning("KV events from %s dropped: block hashes must be %d bytes", inst, HASH_BYTES)
             return False
         self.sync_pid(inst, ev.pid)
@@ -144,26 +155,36 @@ class KVIndex:
         if ev.cleared:
             self.drop_instance(inst)
             self.pids[inst] = ev.pid
-        mine = self.by_instance.setdefault(inst, set())
+        mine = self.by_instance.setdefault(inst, {})
         for h in ev.removed:
             self._unpredict(h, inst)
-            if h in mine:
-                mine.discard(h)
+            if mine.pop(h, None) is not None:
                 held = self.holders[h]
                 held.discard(inst)
                 if not held:
                     del self.holders[h]
-        for h in ev.stored:
-            self._unpredict(h, inst)
-            if h not in mine:
-                mine.add(h)
-                self.holders.setdefault(h, set()).add(inst)
+        for tier, hashes in enumerate((ev.stored, ev.stored_host, ev.stored_disk)):
+            for h in hashes:
+                self._unpredict(h, inst)  # reported: where it really is wins over the prediction
+                if h not in mine:
+                    self.holders.setdefault(h, set()).add(inst)
+                mine[h] = tier
         cap = max_hashes if max_hashes is not None else DEFAULT_MAX_HASHES
         if len(mine) > cap:
             logger.warning("KV events from %s claim %d cached blocks of %d: its index entries are dropped",
                            inst, len(mine), cap)
             self.drop_instance(inst)
         return True
+
+    def tier_counts(self, chain: Iterable[bytes], instance_id: str, num_blocks: int) -> list[int]:
+        """Of the first ``num_blocks`` hashes of ``chain`` (an overlap), how many
+        ``instance_id`` holds in each of ``TIERS``, as reported; a predicted one counts
+        as on the device (it will be once the routed request ran)."""
+        mine = self.by_instance.get(instance_id, {})
+        counts = [0] * len(TIERS)
+        for _, h in zip(range(num_blocks), chain):
+            counts[mine.get(h, 0)] += 1
+        return counts
 
     def overlap(self, chain: Iterable[bytes], instances: Iterable[str], now: float | None = None) -> dict[str, int]:
         """Leading blocks of ``chain`` (a request's block hashes, first block first)

@@ -119,13 +119,23 @@ class RoundRobin(RoutingPolicy):
         return w
 
 
+#: what loading one block back from each of ``epd.router.kv_index.TIERS`` costs, as a share
+#: of prefilling it. Measured by ``benchmarks/kv_tier_costs.py`` (SmolLM2-135M, bf16, 16-token
+#: blocks, 2 CPU cores): host 0.003, disk 0.009 from the page cache and 0.046 from the device;
+#: rounded up. On a GPU the prefill is far faster per block while a PCIe copy is not, so the
+#: shares grow; the ordering (device < host < disk << prefill) is what routing relies on.
+TIER_BLOCK_COST = (0.0, 0.005, 0.05)
+
+
 class KVAwarePrefill(RoutingPolicy):
     """Lowest ``overlap_weight x new_blocks + open_blocks`` (Dynamo's KV router cost).
 
     ``new_blocks``: the request's KV blocks (ceil(prompt tokens / block size))
     minus the leading blocks the instance already caches, per the prefix index
     (reported, or predicted from the requests routed there; the chosen
-    instance's prediction is recorded on each pick).
+    instance's prediction is recorded on each pick), plus, for each of those it
+    holds only in its host or disk tier, the share of a block's prefill that
+    loading it back costs (``TIER_BLOCK_COST``).
     ``open_blocks``: prompt blocks of the requests routed to the instance that
     are still open there (the router's ``inflight`` count of them, newest
     kept: requests in a prefill pool finish about in arrival order), the
@@ -175,7 +185,9 @@ class KVAwarePrefill(RoutingPolicy):
                 if bs not in chains:
                     chains[bs] = request_block_hashes(req.prompt_token_ids, bs, req.placeholders)
                 overlap = self.index.overlap(chains[bs], [w.instance_id])[w.instance_id]
-            out[w.instance_id] = (self.overlap_weight * (total - overlap) + self.open_blocks(w), total, overlap)
+            tiers = self.index.tier_counts(chains[bs], w.instance_id, overlap) if overlap else ()
+            load = sum(c * n for c, n in zip(TIER_BLOCK_COST, tiers))
+            out[w.instance_id] = (self.overlap_weight * (total - overlap + load) + self.open_blocks(w), total, overlap)
         return out
 
     def select(self, workers, req=None):

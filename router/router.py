@@ -259,7 +259,8 @@ class Router:
     def _on_kv_events(self, msg: KVEvents) -> None:
         w = self.registry.get(msg.instance_id)
         self.kv_index.apply(msg, w.info.pid if w is not None else None,
-                            w.info.kv_layout.num_blocks if w is not None and w.info.kv_layout else None)
+                            w.info.kv_layout.num_blocks + w.info.num_tier_blocks
+                            if w is not None and w.info.kv_layout else None)
 
     def _on_stats(self, msg: WorkerStats) -> None:
         waiter = self._stats_waiters.get(msg.token)

@@ -44,15 +44,50 @@ class BlockManager:
         self.prefix_cache_disk_hits = 0  # ... of which the host tier read back from its disk tier
         # The host tier (epd.engine.host_kv_tier.HostKVTier; None: off): evicted hashed
         # blocks are kept there, and a lookup continues there past the device's hits.
-        self.host_tier = None
-        # KV cache event log (off unless ``enable_kv_events``): hash -> cached after
-        # the last change since the previous drain; ``_kv_cleared``: reset in between.
-        self._kv_events: dict[bytes, bool] | None = None
+        self._host_tier = None
+        # KV cache event log (off unless ``enable_kv_events``): hash -> the tier holding it
+        # after its last change since the previous drain ("device", "host", "disk"; None:
+        # gone); ``_kv_cleared``: reset in between.
+        self._kv_events: dict[bytes, str | None] | None = None
         self._kv_cleared = False
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def host_tier(self):
+        """The host tier (``HostKVTier``; None: off); setting it subscribes the KV cache
+        event log to the hashes it (and its disk tier) keep or drop."""
+        return self._host_tier
+
+    @host_tier.setter
+    def host_tier(self, tier) -> None:
+        self._host_tier = tier
+        if tier is not None:
+            tier.on_change = self._tier_changed
+
+    @property
+    def num_tier_blocks(self) -> int:
+        """Blocks the host and disk tiers hold beyond the KV cache."""
+        t = self._host_tier
+        return 0 if t is None else t.num_blocks + (t.disk.num_blocks if t.disk is not None else 0)
+
+    def tier_of(self, block_hash: bytes) -> str | None:
+        """Where this instance holds ``block_hash``'s KV, nearest first: "device" (the KV
+        cache), "host", "disk", or None."""
+        if block_hash in self.cached_blocks:
+            return "device"
+        t = self._host_tier
+        if t is not None:
+            if block_hash in t.index:
+                return "host"
+            if t.disk is not None and block_hash in t.disk:
+                return "disk"
+        return None
+
+    def _tier_changed(self, block_hash: bytes) -> None:
+        self._record_kv_event(block_hash, self.tier_of(block_hash))
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,7 +149,7 @@ class BlockManager:
         self.host_tier.load(slot, block_id)
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block_id
-        self._record_kv_event(block_hash, True)
+        self._record_kv_event(block_hash, "device")
         self.free_blocks[block_id] = None
         self.prefix_cache_host_hits += self.block_size
         if self.host_tier.disk_hits > from_disk:
@@ -161,7 +196,7 @@ class BlockManager:
                 if self.host_tier is not None:  # evicted: its KV goes to the host tier before it is overwritten
                     self.host_tier.offload(block.block_hash, block_id)
                 del self.cached_blocks[block.block_hash]
-                self._record_kv_event(block.block_hash, False)
+                self._record_kv_event(block.block_hash, self.tier_of(block.block_hash))  # host, or gone
             block.block_hash = None
         block.ref_count = 1
         return block_id
@@ -181,7 +216,7 @@ class BlockManager:
             parent = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.block_extra_keys(i, bs))
             block.block_hash = parent
             if self.cached_blocks.setdefault(parent, block.block_id) == block.block_id:
-                self._record_kv_event(parent, True)
+                self._record_kv_event(parent, "device")
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; hashed blocks stay cached until evicted.
@@ -217,25 +252,34 @@ class BlockManager:
         whose router routes by KV overlap turn this on; the first drain reports the
         hashes already cached)."""
         if self._kv_events is None:
-            self._kv_events = dict.fromkeys(self.cached_blocks, True)
+            self._kv_events = dict.fromkeys(self.cached_blocks, "device")
+            t = self._host_tier
+            if t is not None:
+                for h in (*(t.disk.index if t.disk is not None else ()), *t.index):
+                    self._kv_events.setdefault(h, self.tier_of(h))
 
-    def _record_kv_event(self, block_hash: bytes, stored: bool) -> None:
+    def _record_kv_event(self, block_hash: bytes, tier: str | None) -> None:
         if self._kv_events is not None:
             self._kv_events.pop(block_hash, None)  # keep the order of last changes
-            self._kv_events[block_hash] = stored
+            self._kv_events[block_hash] = tier
 
-    def drain_kv_events(self) -> tuple[bool, list[bytes], list[bytes]]:
-        """Net prefix-cache changes since the previous drain: ``(cleared, stored, removed)``.
+    def drain_kv_events(self) -> tuple[bool, list[bytes], list[bytes], list[bytes], list[bytes]]:
+        """Net prefix-cache changes since the previous drain: ``(cleared, stored, removed,
+        stored_host, stored_disk)``, as ``KVEvents`` carries them.
 
-        Applying them in that order (forget everything if ``cleared``, drop
-        ``removed``, add ``stored``) turns the previous state into the current
-        one: each hash appears once, with its last change. Hashes are 16-byte
-        ``iter_block_hashes`` digests. Returns ``(False, [], [])`` when nothing
-        changed or events are off. The log holds at most the hashes touched
-        between two drains.
+        ``stored``: hashes now in the KV cache; ``stored_host`` / ``stored_disk``: now
+        only in the host / disk tier; ``removed``: now held nowhere. Applying them
+        (forget everything if ``cleared``, drop ``removed``, set the rest) turns the
+        previous state into the current one: each hash appears once, with its last
+        change. Hashes are 16-byte ``iter_block_hashes`` digests. Returns
+        ``(False, [], [], [], [])`` when nothing changed or events are off. The log
+        holds at most the hashes touched between two drains.
         """
         if not self._kv_events and not self._kv_cleared:
-            return False, [], []
+            return False, [], [], [], []
         events, cleared = self._kv_events, self._kv_cleared
         self._kv_events, self._kv_cleared = {}, False
-        return (cleared, [h for h, s in events.items() if s], [h for h, s in events.items() if not s])
+        by_tier: dict[str | None, list[bytes]] = {"device": [], None: [], "host": [], "disk": []}
+        for h, tier in events.items():
+            by_tier[tier].append(h)
+        return cleared, by_tier["device"], by_tier[None], by_tier["host"], by_tier["disk"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -61,6 +62,7 @@ class DiskKVTier:
         self.loads = 0  # blocks read back
         self.evictions = 0  # entries dropped for newer ones
         self.write_errors = 0
+        self.on_drop: Callable[[bytes], None] | None = None  # called with each hash evicted or found unwritten
 
     def __len__(self) -> int:
         return len(self.index)
@@ -78,8 +80,10 @@ class DiskKVTier:
         if self.free_slots:
             slot = self.free_slots.pop()
         else:
-            _, slot = self.index.popitem(last=False)
+            dropped, slot = self.index.popitem(last=False)
             self.evictions += 1
+            if self.on_drop is not None:
+                self.on_drop(dropped)
         data = torch.stack((k, v)).contiguous().view(torch.uint8).reshape(-1).numpy().copy()
         self._failed.discard(slot)
         self._pending[slot] = self._writer.submit(self._write, slot, data)
@@ -114,6 +118,8 @@ class DiskKVTier:
             del self.index[block_hash]
             self._failed.discard(slot)
             self.free_slots.append(slot)
+            if self.on_drop is not None:
+                self.on_drop(block_hash)
             return False
         self.index.move_to_end(block_hash)
         return True

@@ -17,6 +17,7 @@ host slot.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,6 +59,15 @@ class HostKVTier:
         self.evictions = 0  # host entries dropped (or moved to disk) for newer ones
         self.disk = disk
         self.disk_hits = 0  # lookups served from the disk tier
+        # Called with a hash this tier (or its disk tier) just moved down or dropped; the
+        # block manager's KV cache event log (set when it is attached there).
+        self.on_change: Callable[[bytes], None] | None = None
+        if disk is not None:
+            disk.on_drop = self._changed
+
+    def _changed(self, block_hash: bytes) -> None:
+        if self.on_change is not None:
+            self.on_change(block_hash)
 
     @property
     def num_blocks(self) -> int:
@@ -87,6 +97,7 @@ class HostKVTier:
         self.evictions += 1
         if self.disk is not None:
             self.disk.store(block_hash, self.host_k[:, slot], self.host_v[:, slot])
+        self._changed(block_hash)  # now on disk, or gone
         return slot
 
     def __contains__(self, block_hash: bytes) -> bool:

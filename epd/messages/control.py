@@ -51,6 +51,8 @@ class WorkerReady(msgspec.Struct, tag="ready", frozen=True):
     max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
     #: seconds its main loop may go without an iteration before it counts as wedged (0: not judged)
     stall_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    #: blocks its prefix cache's host and disk tiers hold beyond ``kv_layout.num_blocks`` (0: none)
+    num_tier_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
@@ -84,10 +86,14 @@ class KVEvents(msgspec.Struct, tag="kv_events", frozen=True):
     """P/PD -> router, at most once per heartbeat: net prefix-cache changes since the last report.
 
     ``stored`` / ``removed``: 16-byte block hashes (``iter_block_hashes``) that
-    entered / left the prefix cache (removed = evicted or reset); ``cleared``:
-    the cache was reset before them. The router applies cleared, removed,
-    stored in that order. ``pid`` ties the report to the process of the
-    instance's ``WorkerReady``. Used only to choose where requests run.
+    entered the KV cache / left the instance (removed = evicted from every tier,
+    or reset); ``stored_host`` / ``stored_disk``: hashes now held only in the
+    host / disk tier (``--kv-host-cache-gb``, ``--kv-disk-cache-dir``: evicted
+    from the KV cache, loadable on a hit); ``cleared``: the cache was reset
+    before them. Each hash appears in one list, with its last change. The
+    router applies cleared, removed, then the rest. ``pid`` ties the report to
+    the process of the instance's ``WorkerReady``. Used only to choose where
+    requests run.
     """
 
     instance_id: str
@@ -95,6 +101,8 @@ class KVEvents(msgspec.Struct, tag="kv_events", frozen=True):
     stored: list[bytes] = []
     removed: list[bytes] = []
     cleared: bool = False
+    stored_host: list[bytes] = []
+    stored_disk: list[bytes] = []
 
 
 class PeerInfo(msgspec.Struct, tag="peer", frozen=True):

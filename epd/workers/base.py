@@ -222,7 +222,8 @@ class BaseWorker:
                                       self.transport.metadata(), regions, kv_layout, time.monotonic() - self.t0,
                                       incarnation=secrets.randbits(63) or 1, model=self._model_fingerprint(),
                                       max_model_len=engine.config.max_model_len if engine is not None else 0,
-                                      stall_timeout_s=self.args.stall_timeout_s)
+                                      stall_timeout_s=self.args.stall_timeout_s,
+                                      num_tier_blocks=engine.block_manager.num_tier_blocks if engine is not None else 0)
         self._send_ready()
         self.load()  # the first load report, which the heartbeat thread repeats until the loop runs
         self._start_heartbeats()

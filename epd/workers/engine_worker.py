@@ -93,9 +93,9 @@ class EngineWorker(BaseWorker):
     def send_kv_events(self) -> None:
         """Send the prefix cache's net changes since the last report as one ``KVEvents``
         (nothing when none); called once per heartbeat."""
-        cleared, stored, removed = self.engine.block_manager.drain_kv_events()
-        if cleared or stored or removed:
-            self.send(KVEvents(self.instance_id, os.getpid(), stored, removed, cleared))
+        cleared, stored, removed, stored_host, stored_disk = self.engine.block_manager.drain_kv_events()
+        if cleared or stored or removed or stored_host or stored_disk:
+            self.send(KVEvents(self.instance_id, os.getpid(), stored, removed, cleared, stored_host, stored_disk))
 
     def load(self) -> Heartbeat:
         dead = self.engine.dead_ranks()

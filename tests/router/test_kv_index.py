@@ -41,7 +41,7 @@ def run(bm: BlockManager, s: Sequence) -> None:
 
 
 def report(bm: BlockManager, index: KVIndex, inst: str = "prefill-0", pid: int = PID) -> KVEvents:
-    cleared, stored, removed = bm.drain_kv_events()
+    cleared, stored, removed, *_ = bm.drain_kv_events()
     ev = KVEvents(inst, pid, stored, removed, cleared)
     assert index.apply(ev, registered_pid=pid, max_hashes=bm.num_blocks)
     return ev
@@ -74,7 +74,7 @@ def test_stored_removed_and_cleared_events_track_the_engine_cache():
     assert overlap(index, range(20)) == 3  # the probe's first 3 blocks are cached
     assert overlap(index, [99] + list(range(1, 20))) == 0  # first block differs: nothing shared
     bm.free(a)  # freed blocks stay cached: no event
-    assert bm.drain_kv_events() == (False, [], [])
+    assert bm.drain_kv_events() == (False, [], [], [], [])
     # A different prompt needing all 8 blocks evicts a's 3 cached blocks.
     b = seq(range(100, 132))
     run(bm, b)
@@ -125,7 +125,7 @@ def test_reports_from_another_process_are_refused_and_a_restart_drops_entries():
     bm.enable_kv_events()
     index = KVIndex()
     run(bm, seq(range(13)))
-    cleared, stored, removed = bm.drain_kv_events()
+    cleared, stored, removed, *_ = bm.drain_kv_events()
     # Unknown instance (never registered) or a pid that is not the registered one: ignored.
     assert not index.apply(KVEvents("prefill-0", PID, stored), registered_pid=None)
     assert not index.apply(KVEvents("prefill-0", PID + 1, stored), registered_pid=PID)
@@ -169,15 +169,79 @@ def test_drain_reports_each_hash_once_with_its_last_change():
     bm.free(a)
     b = seq(range(50, 66))  # 4 blocks: evicts a's 2 within the same report window
     run(bm, b)
-    cleared, stored, removed = bm.drain_kv_events()
+    cleared, stored, removed, *_ = bm.drain_kv_events()
     a_hashes = request_block_hashes(list(range(9)), BS)
     assert set(a_hashes) <= set(removed) and not set(a_hashes) & set(stored)
     assert len(stored) == 4 and len(set(stored)) == 4
-    assert bm.drain_kv_events() == (False, [], [])
+    assert bm.drain_kv_events() == (False, [], [], [], [])
 
 
 def test_event_log_is_off_unless_enabled():
     bm = BlockManager(4, BS)
     run(bm, seq(range(9)))
     bm.reset_prefix_cache()
-    assert bm.drain_kv_events() == (False, [], [])
+    assert bm.drain_kv_events() == (False, [], [], [], [])
+
+
+def _tiered_manager(tmp_path, num_blocks: int = 4, host_blocks: int = 2, disk_blocks: int = 2) -> BlockManager:
+    """A KV cache of ``num_blocks`` with a host tier and a disk tier under it."""
+    import torch
+
+    from epd.engine.disk_kv_tier import DiskKVTier
+    from epd.engine.host_kv_tier import HostKVTier
+
+    k = torch.zeros(1, num_blocks, BS, 1, 2)
+    bm = BlockManager(num_blocks, BS)
+    bm.host_tier = HostKVTier(k, k.clone(), host_blocks, disk=DiskKVTier(tmp_path, (1, BS, 1, 2), k.dtype,
+                                                                             disk_blocks))
+    return bm
+
+
+def test_events_say_which_tier_holds_each_block(tmp_path):
+    """A block evicted from the KV cache is reported as held in the host tier, then on
+    disk, then gone: the index follows, and its tier counts match the engine's
+    ``tier_of`` for every block of the chains."""
+    bm = _tiered_manager(tmp_path)
+    bm.enable_kv_events()
+    index = KVIndex(prediction_ttl_s=0)
+
+    def step(tokens) -> tuple:
+        s = seq(tokens)
+        run(bm, s)
+        bm.free(s)
+        ev = bm.drain_kv_events()
+        cleared, stored, removed, host, disk = ev
+        assert index.apply(KVEvents("prefill-0", PID, stored, removed, cleared, host, disk), registered_pid=PID,
+                           max_hashes=bm.num_blocks + bm.num_tier_blocks)
+        return ev
+
+    prompts = [list(range(100 * i, 100 * i + 8)) for i in range(4)]  # 2 full blocks each, no partial one
+    chains = [request_block_hashes(p + [0], BS) for p in prompts]  # a probe with one more token hits both
+    for p in prompts:
+        step(p)
+    # 4 prompts x 2 blocks in a 4-block cache: the last 2 on the device, the second in the
+    # host tier, the first on disk
+    assert [[bm.tier_of(h) for h in c] for c in chains] == [["disk"] * 2, ["host"] * 2, ["device"] * 2,
+                                                             ["device"] * 2]
+    for p, chain in zip(prompts, chains):
+        assert overlap(index, p + [0]) == 2
+        assert index.tier_counts(chain, "prefill-0", 2) == [sum(bm.tier_of(h) == t for h in chain)
+                                                            for t in ("device", "host", "disk")]
+    # One more prompt pushes the first one off the disk: gone everywhere.
+    _, _, removed, host, disk = step(list(range(900, 908)))
+    assert set(chains[0]) == set(removed) and set(chains[1]) == set(disk) and set(chains[2]) == set(host)
+    assert overlap(index, prompts[0] + [0]) == 0 and index.tier_counts(chains[1], "prefill-0", 2) == [0, 0, 2]
+    bm.host_tier.close()
+
+
+def test_enabling_events_reports_what_the_tiers_already_hold(tmp_path):
+    bm = _tiered_manager(tmp_path)
+    for i in range(3):
+        s = seq(range(100 * i, 100 * i + 8))
+        run(bm, s)
+        bm.free(s)
+    bm.enable_kv_events()
+    cleared, stored, removed, host, disk = bm.drain_kv_events()
+    assert (len(stored), len(host), len(disk), removed) == (4, 2, 0, [])
+    assert all(bm.tier_of(h) == "host" for h in host)
+    bm.host_tier.close()

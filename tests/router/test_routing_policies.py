@@ -69,7 +69,7 @@ def cache(index: KVIndex, w: WorkerHandle, tokens) -> None:
     assert bm.allocate_slots(s, s.num_tokens)
     s.num_computed_tokens = s.num_tokens
     bm.cache_full_blocks(s)
-    cleared, stored, removed = bm.drain_kv_events()
+    cleared, stored, removed, *_ = bm.drain_kv_events()
     assert index.apply(KVEvents(w.instance_id, w.info.pid, stored, removed, cleared), w.info.pid)
 
 
@@ -297,3 +297,23 @@ def test_router_routes_by_reported_kv_events_and_counts_decisions():
         return float(m.group(1)) if m else 0.0
 
     assert count("prefill-1") >= 3 and count("prefill-0") >= 1
+
+
+def test_kv_policy_weighs_a_tier_hit_by_what_loading_it_costs():
+    """Same prefix on two instances, one in its KV cache, one only in its host tier: the
+    device copy wins, the host copy still beats recomputing it by far."""
+    from epd.router.policies import TIER_BLOCK_COST
+
+    index = KVIndex(prediction_ttl_s=0)
+    kv = KVAwarePrefill(index)
+    p0, p1, p2 = worker("prefill-0"), worker("prefill-1"), worker("prefill-2")
+    chain = request_block_hashes(SYSTEM + [1], BS)
+    assert index.apply(KVEvents("prefill-0", p0.info.pid, stored_host=chain), p0.info.pid)
+    assert index.apply(KVEvents("prefill-1", p1.info.pid, chain), p1.info.pid)
+    costs = kv.costs([p0, p1, p2], request(SYSTEM + [1]))
+    total = costs["prefill-2"][0]
+    assert costs["prefill-0"][2] == costs["prefill-1"][2] == len(chain)
+    assert costs["prefill-1"][0] < costs["prefill-0"][0] < total
+    assert costs["prefill-0"][0] == pytest.approx(costs["prefill-1"][0] + TIER_BLOCK_COST[1] * len(chain))
+    assert kv.select([p0, p1, p2], request(SYSTEM + [1])) is p1
+    assert kv.select([p0, p2], request(SYSTEM + [2])) is p0

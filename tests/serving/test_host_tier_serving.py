@@ -108,3 +108,37 @@ def test_prompt_evicted_to_disk_comes_back(tiny_model_dirs, tmp_path):
         assert _metric(server, "epd_prefix_cache_disk_hits_tokens_total", "prefill-0") >= 5 * BLOCK
         assert _metric(server, "epd_kv_disk_stored_blocks_total", "decode-0") >= 6
         assert 0 < _metric(server, "epd_kv_disk_cache_usage_ratio", "prefill-0") <= 1
+
+
+def test_kv_routing_sends_a_prompt_back_to_the_instance_holding_it_in_its_host_tier(tiny_model_dirs):
+    """p:2,d:1 with KV-aware prefill routing (the default) and 16-block caches: prompt A
+    runs on prefill-0, four others alternate between the two and push A's blocks out of
+    prefill-0's KV cache into its host tier. Past the routing prediction's lifetime, A
+    goes back to prefill-0 (the index knows its blocks are in the host tier), not to
+    prefill-1 (which a tie on an empty index would pick: it was routed fewer requests),
+    and loads them back."""
+    from epd.router.kv_index import PREDICTION_TTL_S
+
+    path = tiny_model_dirs["llama"]
+    with launch(path, "p:2,d:1", "--block-size", str(BLOCK), "--num-kv-blocks", "16",
+                "--kv-host-cache-gb", "0.01") as server:
+        client = server.client()
+
+        def complete(prompt):
+            return client.completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        others = [[base + (k * step) % 400 for k in range(81)] for base, step in ((7, 37), (9, 53), (11, 71),
+                                                                                  (13, 89))]
+        first = complete(PROMPTS[0])
+        for p in others:
+            complete(p)
+        before = server.workers()
+        assert before["prefill-0"]["kv_host_offloaded_blocks"] >= 8, before["prefill-0"]
+        assert before["prefill-0"]["prefix_cache_query_tokens"] > before["prefill-1"]["prefix_cache_query_tokens"]
+        time.sleep(PREDICTION_TTL_S + 1)  # only the reported tiers remain in the index
+        assert complete(PROMPTS[0]) == first
+        after = server.workers()
+        p0, p0_before = after["prefill-0"], before["prefill-0"]
+        assert p0["prefix_cache_host_hit_tokens"] - p0_before["prefix_cache_host_hit_tokens"] >= 8 * BLOCK, p0
+        assert after["prefill-1"]["prefix_cache_query_tokens"] == before["prefill-1"]["prefix_cache_query_tokens"]
