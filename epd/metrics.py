@@ -87,12 +87,10 @@ WORKER_RESTARTS = "epd_worker_restarts_total"
 PROMPT_TOKENS = "epd_prompt_tokens_total"
 PREFIX_QUERIES = "epd_prefix_cache_queries_tokens_total"
 PREFIX_HITS = "epd_prefix_cache_hits_tokens_total"
-PREFIX_HOST_HITS = "epd_prefix_cache_host_hits_tokens_total"
 KV_HOST_OFFLOADED = "epd_kv_host_offloaded_blocks_total"
 KV_HOST_LOADED = "epd_kv_host_loaded_blocks_total"
 KV_HOST_EVICTED = "epd_kv_host_evicted_blocks_total"
 KV_HOST_USAGE = "epd_kv_host_cache_usage_ratio"
-PREFIX_DISK_HITS = "epd_prefix_cache_disk_hits_tokens_total"
 KV_DISK_STORED = "epd_kv_disk_stored_blocks_total"
 KV_DISK_LOADED = "epd_kv_disk_loaded_blocks_total"
 KV_DISK_EVICTED = "epd_kv_disk_evicted_blocks_total"
@@ -163,15 +161,14 @@ class Metrics:
             prompt's prefill ends, with its ``epd_prefill_seconds`` sample (vLLM's
             ``prompt_tokens_total``); over ``epd_prefill_seconds_count``, the mean ISL.
         prefix_cache_queries_tokens: prompt tokens looked up in the prefix cache.
-        prefix_cache_hits_tokens: of those, tokens whose KV was reused.
-        prefix_cache_host_hits_tokens: of those, tokens whose blocks were loaded back
-            from the host tier (``--kv-host-cache-gb``); the rest were on the device.
+        prefix_cache_hits_tokens: of those, tokens whose KV was reused, with a third label
+            ``tier``: where the block was found (``device``: still in the KV cache;
+            ``host``: loaded back from the host tier, ``--kv-host-cache-gb``; ``disk``:
+            read back from the disk tier under it, ``--kv-disk-cache-dir``).
         kv_host_offloaded_blocks: evicted prefix-cache blocks copied to the host tier.
         kv_host_loaded_blocks: host-tier blocks copied back for a prefix hit.
         kv_host_evicted_blocks: host-tier blocks dropped (least recently used) for newer
             ones: a hit rate that stays low while this grows is the tier's capacity.
-        prefix_cache_disk_hits_tokens: of the host tier's hits, tokens its disk tier
-            (``--kv-disk-cache-dir``) read back.
         kv_disk_stored_blocks: blocks the host tier evicted that were written to disk.
         kv_disk_loaded_blocks: disk-tier blocks read back for a prefix hit.
         kv_disk_evicted_blocks: disk-tier blocks dropped (least recently used) for newer ones.
@@ -256,11 +253,9 @@ class Metrics:
     prompt_tokens: object
     prefix_cache_queries_tokens: object
     prefix_cache_hits_tokens: object
-    prefix_cache_host_hits_tokens: object
     kv_host_offloaded_blocks: object
     kv_host_loaded_blocks: object
     kv_host_evicted_blocks: object
-    prefix_cache_disk_hits_tokens: object
     kv_disk_stored_blocks: object
     kv_disk_loaded_blocks: object
     kv_disk_evicted_blocks: object
@@ -332,14 +327,9 @@ _COUNTERS = {
     "prompt_tokens": (_family(PROMPT_TOKENS), "Prompt tokens prefilled, cached ones included (counted as each "
                       "prefill ends)"),
     "prefix_cache_queries_tokens": (_family(PREFIX_QUERIES), "Prompt tokens looked up in the prefix cache"),
-    "prefix_cache_hits_tokens": (_family(PREFIX_HITS), "Prompt tokens found in the prefix cache"),
-    "prefix_cache_host_hits_tokens": (_family(PREFIX_HOST_HITS), "Prompt tokens found in the prefix cache's host "
-                                      "tier (loaded back, not recomputed)"),
     "kv_host_offloaded_blocks": (_family(KV_HOST_OFFLOADED), "Evicted prefix-cache blocks copied to the host tier"),
     "kv_host_loaded_blocks": (_family(KV_HOST_LOADED), "Host-tier blocks copied back for a prefix hit"),
     "kv_host_evicted_blocks": (_family(KV_HOST_EVICTED), "Host-tier blocks dropped for newer ones (tier full)"),
-    "prefix_cache_disk_hits_tokens": (_family(PREFIX_DISK_HITS), "Prompt tokens found in the prefix cache's disk "
-                                      "tier (read back, not recomputed)"),
     "kv_disk_stored_blocks": (_family(KV_DISK_STORED), "Host-tier evictions written to the disk tier"),
     "kv_disk_loaded_blocks": (_family(KV_DISK_LOADED), "Disk-tier blocks read back for a prefix hit"),
     "kv_disk_evicted_blocks": (_family(KV_DISK_EVICTED), "Disk-tier blocks dropped for newer ones (tier full)"),
@@ -351,6 +341,12 @@ _COUNTERS = {
                             "sent (a video split across encoders)"),
     "auth_denied": (_family(AUTH_DENIED), "CURVE handshakes refused: a client key that is not the other side's "
                     "(only the router's key may command a worker; only the member key may report to the router)"),
+}
+# counters with a label beyond pool and instance: field -> (metric name, help, extra labels)
+_LABELLED_COUNTERS = {
+    "prefix_cache_hits_tokens": (_family(PREFIX_HITS), "Prompt tokens found in the prefix cache, by tier "
+                                 "(device, host, disk)", ("tier",)),
+    "routing_decisions": (_family(ROUTED), "Requests routed to an instance, by policy", ("policy",)),
 }
 # field -> (metric name, help, multiprocess_mode); see Metrics for the choice of mode
 _GAUGES = {
@@ -453,8 +449,8 @@ def get_metrics() -> Metrics:
             objs[field] = Histogram(name, doc, LABELS, buckets=buckets, registry=_registry)
         for field, (name, doc) in _COUNTERS.items():
             objs[field] = Counter(name, doc, LABELS, registry=_registry)
-        objs["routing_decisions"] = Counter(_family(ROUTED), "Requests routed to an instance, by policy",
-                                            (*LABELS, "policy"), registry=_registry)
+        for field, (name, doc, extra) in _LABELLED_COUNTERS.items():
+            objs[field] = Counter(name, doc, (*LABELS, *extra), registry=_registry)
         for field, (name, doc, mode) in _GAUGES.items():
             objs[field] = Gauge(name, doc, LABELS, multiprocess_mode=mode, registry=_registry)
         objs["router_requests"] = Gauge(ROUTER_REQUESTS, "Requests open in the router, by state",

@@ -35,8 +35,8 @@ class FakeEpd:
                   for name, doc, b in em._HISTOGRAMS.values()}
         self.c = {name + "_total": Counter(name, doc, em.LABELS, registry=self.registry)
                   for name, doc in em._COUNTERS.values()}
-        self.c["epd_routing_decisions_total"] = Counter("epd_routing_decisions", "d", (*em.LABELS, "policy"),
-                                                         registry=self.registry)
+        self.c |= {name + "_total": Counter(name, doc, (*em.LABELS, *extra), registry=self.registry)
+                   for name, doc, extra in em._LABELLED_COUNTERS.values()}
         self.g = {name: Gauge(name, doc, em.LABELS, registry=self.registry) for name, doc, _ in em._GAUGES.values()}
         self.g["epd_router_requests"] = Gauge("epd_router_requests", "r", (*em.LABELS, "state"), registry=self.registry)
         self.g["epd_pool_instances"] = Gauge("epd_pool_instances", "i", ("pool", "state"), registry=self.registry)
@@ -154,8 +154,8 @@ def test_not_epd_metrics_is_an_error():
 
 def test_every_metric_diagnose_reads_is_declared_by_epd_metrics():
     declared = {n for n, _, _ in em._HISTOGRAMS.values()} | {n + "_total" for n, _ in em._COUNTERS.values()} | {
-        n for n, _, _ in em._GAUGES.values()} | {"epd_routing_decisions_total", "epd_router_requests",
-                                                  "epd_pool_instances"}
+        n for n, _, _ in em._GAUGES.values()} | {n + "_total" for n, *_ in em._LABELLED_COUNTERS.values()} | {
+        "epd_router_requests", "epd_pool_instances"}
     used = {v for k, v in vars(em).items() if k.isupper() and isinstance(v, str) and v.startswith("epd_")}
     used |= set(dg.STAGES.values())
     assert used and used <= declared, sorted(used - declared)
@@ -250,7 +250,7 @@ def _prefill_traffic(queue_s: float, n: int = 20, kv_s: float = 0.02,
         f.inc(em.ROUTED, "prefill", n, policy="kv")
         f.inc(em.ROUTED, "decode", n, policy="free-kv")
         f.inc(em.PREFIX_QUERIES, "prefill", 200 * n)
-        f.inc(em.PREFIX_HITS, "prefill", 150 * n)
+        f.inc(em.PREFIX_HITS, "prefill", 150 * n, tier="device")
         f.inc(em.KV_BYTES, "prefill", 2**20 * n)
         f.observe(em.PREFILL_QUEUE, "prefill", [queue_s] * n)
         f.observe(em.PREFILL, "prefill", [prefill_s] * n)
@@ -359,7 +359,7 @@ def test_prefix_cache_miss():
             f.pools(prefill=p, decode=1)
             f.inc(em.ROUTED, "prefill", 40, policy=policy)
             f.inc(em.PREFIX_QUERIES, "prefill", queries)
-            f.inc(em.PREFIX_HITS, "prefill", hits)
+            f.inc(em.PREFIX_HITS, "prefill", hits, tier="device")
         return scenario
 
     assert _status(_window(FakeEpd(), traffic(100, 8000)), "prefix_cache_miss", "prefill") == "symptom"
@@ -371,7 +371,7 @@ def test_prefix_cache_miss():
 
     def tier_full(f: FakeEpd) -> None:  # the host tier drops blocks: capacity, named as the cause
         traffic(400, 8000)(f)
-        f.inc(em.PREFIX_HOST_HITS, "prefill", 300)
+        f.inc(em.PREFIX_HITS, "prefill", 300, tier="host")
         f.inc(em.KV_HOST_EVICTED, "prefill", 120)
     check = next(c for c in dg.evaluate(_window(FakeEpd(), tier_full)) if c.id == "prefix_cache_miss")
     assert check.status == "symptom" and "capacity limits the hit rate" in check.detail
@@ -380,7 +380,7 @@ def test_prefix_cache_miss():
     def disk_kept(f: FakeEpd) -> None:  # a disk tier keeps what the host drops: not capacity, until it drops too
         tier_full(f)
         f.inc(em.KV_DISK_STORED, "prefill", 120)
-        f.inc(em.PREFIX_DISK_HITS, "prefill", 100)
+        f.inc(em.PREFIX_HITS, "prefill", 100, tier="disk")
     check = next(c for c in dg.evaluate(_window(FakeEpd(), disk_kept)) if c.id == "prefix_cache_miss")
     assert "capacity" not in check.detail and check.evidence["disk_hit_tokens"] == 100
 

@@ -324,7 +324,7 @@ def _metrics_child(instance: str, n_bytes: int, queue_depth: float) -> None:
     m = metrics.get_metrics()
     m.kv_transfer_bytes.labels(pool="prefill", instance="prefill-0").inc(n_bytes)
     m.prefix_cache_queries_tokens.labels(pool="prefill", instance="prefill-0").inc(100)
-    m.prefix_cache_hits_tokens.labels(pool="prefill", instance="prefill-0").inc(25)
+    m.prefix_cache_hits_tokens.labels(pool="prefill", instance="prefill-0", tier="device").inc(25)
     m.encoder_cache_hits.labels(pool="encode", instance="encode-0").inc()
     m.kv_transfer.labels(pool="prefill", instance="prefill-0").observe(0.003)
     m.time_to_first_token.labels(pool="decode", instance=instance).observe(0.4)
@@ -371,7 +371,7 @@ def test_metrics_summed_over_processes(tmp_path, monkeypatch):
         pre = (("instance", "prefill-0"), ("pool", "prefill"))
         assert s[("epd_kv_transfer_bytes_total", pre)] == 1500
         assert s[("epd_prefix_cache_queries_tokens_total", pre)] == 200
-        assert s[("epd_prefix_cache_hits_tokens_total", pre)] == 50
+        assert s[("epd_prefix_cache_hits_tokens_total", pre + (("tier", "device"),))] == 50
         assert s[("epd_encoder_cache_hits_total", (("instance", "encode-0"), ("pool", "encode")))] == 2
         assert s[("epd_kv_transfer_seconds_count", pre)] == 2
         assert s[("epd_kv_transfer_seconds_bucket", pre[:1] + (("le", "0.005"),) + pre[1:])] == 2
@@ -397,7 +397,7 @@ def test_metric_names_match_design():
     from epd import metrics
 
     names = {n for n, *_ in metrics._HISTOGRAMS.values()} | {n + "_total" for n, _ in metrics._COUNTERS.values()} \
-        | {n for n, *_ in metrics._GAUGES.values()}
+        | {n for n, *_ in metrics._GAUGES.values()} | {n + "_total" for n, *_ in metrics._LABELLED_COUNTERS.values()}
     design = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
     expected = {
         "epd_time_to_first_token_seconds", "epd_time_per_output_token_seconds", "epd_inter_token_latency_seconds",
@@ -412,7 +412,7 @@ def test_metric_names_match_design():
     }
     # Every DESIGN.md metric exists; metrics beyond it are documented on Metrics.
     assert expected <= names, expected - names
-    fields = {**metrics._HISTOGRAMS, **metrics._COUNTERS, **metrics._GAUGES}
+    fields = {**metrics._HISTOGRAMS, **metrics._COUNTERS, **metrics._GAUGES, **metrics._LABELLED_COUNTERS}
     for field, (name, *_) in fields.items():
         if (name if name in names else name + "_total") not in expected:
             assert f"        {field}:" in metrics.Metrics.__doc__, f"{name} is neither in DESIGN.md nor documented"

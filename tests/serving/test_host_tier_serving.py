@@ -21,9 +21,12 @@ PROMPTS = [list(range(20, 101))] + [[base + (k * step) % 400 for k in range(81)]
                                                                                                      (11, 71))]
 
 
-def _metric(server, name: str, instance: str) -> float:
+def _metric(server, name: str, instance: str, tier: str = "") -> float:
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    return sum(float(v) for v in re.findall(rf'^{name}{{[^}}]*instance="{instance}"[^}}]*}} ([0-9.e+]+)$', text, re.M))
+    pattern = rf'^{name}{{[^}}]*instance="{instance}"[^}}]*}} ([0-9.e+]+)$'
+    if tier:
+        pattern = rf'^{name}{{(?=[^}}]*instance="{instance}")(?=[^}}]*tier="{tier}")[^}}]*}} ([0-9.e+]+)$'
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
 def test_prompt_evicted_to_host_comes_back(tiny_model_dirs):
@@ -57,10 +60,10 @@ def test_prompt_evicted_to_host_comes_back(tiny_model_dirs):
             assert loaded >= 9 * BLOCK, (inst, after[inst])  # most of the prompt's 10 full blocks
             assert after[inst]["num_free_blocks"] == 24
         for _ in range(50):  # worker metrics move once per heartbeat
-            if _metric(server, "epd_prefix_cache_host_hits_tokens_total", "prefill-0") >= 9 * BLOCK:
+            if _metric(server, "epd_prefix_cache_hits_tokens_total", "prefill-0", "host") >= 9 * BLOCK:
                 break
             time.sleep(0.1)
-        assert _metric(server, "epd_prefix_cache_host_hits_tokens_total", "prefill-0") >= 9 * BLOCK
+        assert _metric(server, "epd_prefix_cache_hits_tokens_total", "prefill-0", "host") >= 9 * BLOCK
         assert _metric(server, "epd_kv_host_offloaded_blocks_total", "decode-0") >= 10
         assert 0 < _metric(server, "epd_kv_host_cache_usage_ratio", "prefill-0") <= 1
 
@@ -102,10 +105,10 @@ def test_prompt_evicted_to_disk_comes_back(tiny_model_dirs, tmp_path):
             assert after[inst]["num_free_blocks"] == 24 and after[inst]["kv_disk_write_errors"] == 0
         assert list(tmp_path.iterdir()) == []  # anonymous files: nothing named on disk
         for _ in range(50):  # worker metrics move once per heartbeat
-            if _metric(server, "epd_prefix_cache_disk_hits_tokens_total", "prefill-0") >= 5 * BLOCK:
+            if _metric(server, "epd_prefix_cache_hits_tokens_total", "prefill-0", "disk") >= 5 * BLOCK:
                 break
             time.sleep(0.1)
-        assert _metric(server, "epd_prefix_cache_disk_hits_tokens_total", "prefill-0") >= 5 * BLOCK
+        assert _metric(server, "epd_prefix_cache_hits_tokens_total", "prefill-0", "disk") >= 5 * BLOCK
         assert _metric(server, "epd_kv_disk_stored_blocks_total", "decode-0") >= 6
         assert 0 < _metric(server, "epd_kv_disk_cache_usage_ratio", "prefill-0") <= 1
 

@@ -25,9 +25,7 @@ from epd.metrics import (
     PREEMPTIONS,
     PREFILL,
     PREFILL_QUEUE,
-    PREFIX_DISK_HITS,
     PREFIX_HITS,
-    PREFIX_HOST_HITS,
     PREFIX_QUERIES,
     QUEUE_DEPTH,
     ROUTED,
@@ -326,11 +324,13 @@ def check_prefix_cache(w: Window, s: Settings) -> list[Check]:
         detail = f"{rate:.1%} of {queries:.0f} prompt tokens hit the cache ({n} instance(s), routing {ev['routing']})"
         if n > 1 and policies and "kv" not in policies:
             detail += "; this routing ignores the cache"
-        host_hits, dropped = w.counter(PREFIX_HOST_HITS, pool=pool), w.counter(KV_HOST_EVICTED, pool=pool)
+        disk_hits = w.counter(PREFIX_HITS, pool=pool, tier="disk")
+        host_hits = w.counter(PREFIX_HITS, pool=pool, tier="host") + disk_hits  # (through the host tier)
+        dropped = w.counter(KV_HOST_EVICTED, pool=pool)
         if host_hits or dropped:  # the host tier (--kv-host-cache-gb) says whether evicted blocks were hit later
             ev.update(host_hit_tokens=host_hits, host_evicted_blocks=dropped)
             detail += f"; {host_hits:.0f} of the hit tokens came back from the host tier"
-            disk_hits, stored = w.counter(PREFIX_DISK_HITS, pool=pool), w.counter(KV_DISK_STORED, pool=pool)
+            stored = w.counter(KV_DISK_STORED, pool=pool)
             if disk_hits or stored:  # a disk tier under it keeps what the host tier evicts: it drops only its own
                 dropped = w.counter(KV_DISK_EVICTED, pool=pool)
                 ev.update(disk_hit_tokens=disk_hits, disk_evicted_blocks=dropped)
