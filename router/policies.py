@@ -12,7 +12,9 @@ aggregated ``pd`` pool follows ``--prefill-routing``):
   comes from the prefix index of reported KV cache events
   (``epd.router.kv_index``); after NVIDIA Dynamo's KV router.
 - ``free-kv`` (decode): most free KV blocks after the reservations routed there
-  that its last heartbeat does not reflect yet, then smallest running batch.
+  that its last heartbeat does not reflect yet, plus the prompt blocks it would
+  not receive (decode-side reuse: the leading blocks its prefix cache holds, per
+  the decode instances' KV events), then smallest running batch.
 - ``media-affinity`` (encode): rendezvous (highest-random-weight) hashing of the
   request's first media item hash over the live encoders, so a repeated image
   or clip lands on the encoder whose cache holds its embedding; least-loaded
@@ -239,11 +241,19 @@ class FreeKVDecode(RoutingPolicy):
     latest report while the loop is busy) or is late. A reservation leaves when
     its attempt ends (``released``) or its instance's process is replaced.
     Block counts use the instance's block size.
+
+    With a prefix ``index`` (the decode instances report their prefix caches when
+    decode-side reuse is on), the blocks an instance would reuse count as free too
+    (each held only in a host or disk tier less its load cost, ``TIER_BLOCK_COST``):
+    they are the KV it need not receive. A conversation's next turn then goes where
+    its last one was decoded unless another instance has more free blocks than that
+    saves; with no prefix anywhere this is plain free-kv.
     """
 
     name = "free-kv"
 
-    def __init__(self) -> None:
+    def __init__(self, index: KVIndex | None = None) -> None:
+        self.index = index
         self._reservations: dict[str, list[_Reservation]] = {}  # instance -> routed, not yet reflected
 
     @staticmethod
@@ -278,24 +288,47 @@ class FreeKVDecode(RoutingPolicy):
 
     def forget(self, instance_id: str) -> None:
         self._reservations.pop(instance_id, None)
+        if self.index is not None:
+            self.index.drop_instance(instance_id)
 
     def free_after_reservations(self, w: WorkerHandle) -> int:
         free = w.load.num_free_blocks if w.load else 0
         return free - sum(self.pending(w))
 
+    def reused_blocks(self, w: WorkerHandle, req: RouterRequest | None, chains: dict[int, list[bytes]]) -> float:
+        """Leading prompt blocks of ``req`` that ``w``'s prefix cache holds (reported or
+        predicted), each in a host or disk tier counted less its load cost."""
+        layout = w.info.kv_layout
+        if self.index is None or req is None or not req.prompt_token_ids or layout is None:
+            return 0.0
+        self.index.sync_pid(w.instance_id, w.info.pid)
+        bs = layout.block_size
+        if bs not in chains:
+            chains[bs] = request_block_hashes(req.prompt_token_ids, bs, req.placeholders)
+        overlap = self.index.overlap(chains[bs], [w.instance_id])[w.instance_id]
+        if not overlap:
+            return 0.0
+        tiers = self.index.tier_counts(chains[bs], w.instance_id, overlap)
+        return overlap - sum(c * n for c, n in zip(TIER_BLOCK_COST, tiers))
+
     def select(self, workers, req=None):
         if not workers:
             raise NoInstanceError("no live instance")
+        chains: dict[int, list[bytes]] = {}
+        reused = {w.instance_id: self.reused_blocks(w, req, chains) for w in workers}
 
         def key(w: WorkerHandle):
             running = (w.load.num_running if w.load else 0) + len(self.pending(w))
-            return (-self.free_after_reservations(w), running, w.inflight, w.instance_id)
+            return (-(self.free_after_reservations(w) + reused[w.instance_id]), running, w.inflight, w.instance_id)
 
         w = min(workers, key=key)
         layout = w.info.kv_layout
         if req is not None and layout is not None:
             blocks = -(-len(req.prompt_token_ids) // layout.block_size)
             self._reservations.setdefault(w.instance_id, []).append(_Reservation(req.request_id, blocks, w.info.pid))
+            if self.index is not None and req.prompt_token_ids:  # its prompt will be cached there
+                self.index.predict(w.instance_id, chains.get(layout.block_size) or request_block_hashes(
+                    req.prompt_token_ids, layout.block_size, req.placeholders))
         return w
 
 
@@ -350,5 +383,5 @@ def build_policy(role: str, name: str | None, kv_index: KVIndex | None = None,
     if name == "kv":
         return KVAwarePrefill(kv_index if kv_index is not None else KVIndex(), kv_overlap_weight)
     if name == "free-kv":
-        return FreeKVDecode()
+        return FreeKVDecode(kv_index)
     return MediaAffinity()

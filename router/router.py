@@ -120,7 +120,7 @@ class Router:
             Heartbeat: self.registry.heartbeat, WorkerReady: self._on_ready, Draining: self.registry.draining,
             KVEvents: self._on_kv_events, WorkerStats: self._on_stats}, self._count, self._on_dead, keys=keys)
         self.endpoint = self.mailbox.endpoint
-        self.kv_index = KVIndex()  # prefix caches of the prefill / pd instances, from their KVEvents
+        self.kv_index = KVIndex()  # prefix caches of the prefill, pd and decode instances, from their KVEvents
         self.policies: dict[str, RoutingPolicy] = {
             role: build_policy(role, name, self.kv_index, kv_overlap_weight)
             for role, name in ((Role.ENCODE, encode_routing), (Role.PREFILL, prefill_routing),

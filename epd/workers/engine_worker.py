@@ -67,8 +67,10 @@ class EngineWorker(BaseWorker):
         self.kv_layout = kv_layout(runner.k_cache, runner.v_cache, config.block_size, args.tp, self.staging,
                                    config.kv_quant, args.kv_agents, ranks)
         self.regions = regions
-        # Prefill / aggregated instances report their prefix cache for KV-aware routing.
-        if self.role in (Role.PREFILL, Role.PD) and args.rank == 0:
+        # Prefill / aggregated instances report their prefix cache for KV-aware routing, and
+        # decode instances for prefix-aware free-kv routing (when they reuse it).
+        if args.rank == 0 and (self.role in (Role.PREFILL, Role.PD)
+                               or (self.role == Role.DECODE and not config.no_decode_kv_reuse)):
             self.engine.block_manager.enable_kv_events()
 
     @staticmethod

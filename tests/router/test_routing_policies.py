@@ -317,3 +317,23 @@ def test_kv_policy_weighs_a_tier_hit_by_what_loading_it_costs():
     assert costs["prefill-0"][0] == pytest.approx(costs["prefill-1"][0] + TIER_BLOCK_COST[1] * len(chain))
     assert kv.select([p0, p1, p2], request(SYSTEM + [1])) is p1
     assert kv.select([p0, p2], request(SYSTEM + [2])) is p0
+
+
+def test_free_kv_counts_the_blocks_a_decode_instance_would_reuse_as_free():
+    """decode-0 holds a conversation's last turn (10 blocks) and has 3 free blocks fewer:
+    the next turn goes there (it receives 10 blocks fewer), unless decode-1 has more
+    free blocks than that saves; without an index (or a prefix) it is plain free-kv."""
+    index = KVIndex(prediction_ttl_s=0)
+    fk = FreeKVDecode(index)
+    d0, d1 = worker("decode-0", "decode", free=61), worker("decode-1", "decode", free=64)
+    turn = SYSTEM + [1, 2, 3, 4]
+    assert index.apply(KVEvents("decode-0", d0.info.pid, request_block_hashes(turn, BS)), d0.info.pid)
+    assert fk.reused_blocks(d0, request(turn + [5] * 8), {}) == 10
+    assert fk.select([d0, d1], request(turn + [5] * 8)) is d0
+    assert fk.select([d0, d1], request([7] * 48)) is d1  # no prefix anywhere: most free blocks
+    assert FreeKVDecode().select([d0, d1], request(turn + [5] * 8)) is d1
+    roomy = worker("decode-1", "decode", free=64 + 12)
+    assert FreeKVDecode(index).select([d0, roomy], request(turn + [5] * 8)) is roomy
+    # Held only in the host tier: worth its blocks less their load cost.
+    assert index.apply(KVEvents("decode-0", d0.info.pid, stored_host=request_block_hashes(turn, BS)), d0.info.pid)
+    assert 9.9 < fk.reused_blocks(d0, request(turn + [5] * 8), {}) < 10

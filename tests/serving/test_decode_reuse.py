@@ -104,3 +104,33 @@ def _check_turns(server, conversations, reuse: bool) -> None:
         assert moved2 - moved1 == (-(-len(p2) // BLOCK) - reused) * block_bytes
     stats = server.workers()
     assert stats["decode-0"]["num_reserved"] == 0 and stats["decode-0"].get("num_quarantined", 0) == 0
+
+
+def test_each_follow_up_turn_is_routed_to_the_decode_instance_holding_its_last_turn(tiny_model_dirs, conversations):
+    """p:1,d:2: the two conversations' first turns run at once, so free-kv spreads them
+    over decode-0 and decode-1. Each follow-up turn then goes to the instance that decoded
+    its first turn (the decode instances report their prefix caches), and reuses it there;
+    plain free-kv would send both to decode-0 (a tie on idle instances), where only one
+    conversation's blocks are."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with launch(tiny_model_dirs["llama"], "p:1,d:2", "--block-size", str(BLOCK)) as server:
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda c: _complete(server, c[0]), conversations)) == [c[2] for c in conversations]
+        routed = {i: _routed(server, i) for i in ("decode-0", "decode-1")}
+        assert routed == {"decode-0": 1, "decode-1": 1}, routed
+        time.sleep(1.0)  # past a heartbeat: the decode instances' KV events are in
+        before = server.workers()
+        for _, p2, _, a2 in conversations:
+            assert _complete(server, p2) == a2
+        after = server.workers()
+        reused = {i: after[i]["kv_reused_blocks"] - before[i]["kv_reused_blocks"] for i in ("decode-0", "decode-1")}
+        assert all(n >= 3 for n in reused.values()), reused  # each turn 2 hit its turn 1's blocks
+        assert {i: _routed(server, i) for i in routed} == {"decode-0": 2, "decode-1": 2}
+
+
+def _routed(server, instance: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(
+        rf'^epd_routing_decisions_total{{(?=[^}}]*pool="decode")(?=[^}}]*instance="{instance}")[^}}]*}} ([0-9.e+]+)$',
+        text, re.M))
