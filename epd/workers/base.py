@@ -424,7 +424,11 @@ class BaseWorker:
             getattr(self.metrics, name).labels(**self.labels).inc(value)
 
     def count_total(self, name: str, total: float) -> None:
-        """Advance counter ``name`` to a running ``total`` kept elsewhere (engine stats)."""
+        """Advance counter ``name`` to a running ``total`` kept elsewhere (engine stats). Its
+        series exists from the first call, at 0 until the total moves (so a rate over it
+        is 0, not missing)."""
+        if name not in self._counted:
+            getattr(self.metrics, name).labels(**self.labels)
         self.count(name, total - self._counted.get(name, 0.0))
         self._counted[name] = total
 

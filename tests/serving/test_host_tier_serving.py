@@ -111,6 +111,8 @@ def test_prompt_evicted_to_disk_comes_back(tiny_model_dirs, tmp_path):
         assert _metric(server, "epd_prefix_cache_hits_tokens_total", "prefill-0", "disk") >= 5 * BLOCK
         assert _metric(server, "epd_kv_disk_stored_blocks_total", "decode-0") >= 6
         assert 0 < _metric(server, "epd_kv_disk_cache_usage_ratio", "prefill-0") <= 1
+        text = httpx.get(server.url + "/metrics", timeout=30).text  # a counter never moved is there, at 0
+        assert re.search(r'^epd_kv_disk_write_errors_total{[^}]*instance="prefill-0"[^}]*} 0\.0$', text, re.M)
 
 
 def test_kv_routing_sends_a_prompt_back_to_the_instance_holding_it_in_its_host_tier(tiny_model_dirs):
