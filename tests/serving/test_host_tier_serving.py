@@ -147,3 +147,60 @@ def test_kv_routing_sends_a_prompt_back_to_the_instance_holding_it_in_its_host_t
         p0, p0_before = after["prefill-0"], before["prefill-0"]
         assert p0["prefix_cache_host_hit_tokens"] - p0_before["prefix_cache_host_hit_tokens"] >= 8 * BLOCK, p0
         assert after["prefill-1"]["prefix_cache_query_tokens"] == before["prefill-1"]["prefix_cache_query_tokens"]
+
+
+def test_full_tiers_and_cancels_lose_nothing_and_leak_nothing(tiny_model_dirs, tmp_path):
+    """p:1,d:1 with a 2-block host tier over a 4-block disk tier, both full within the
+    first requests: twelve requests over six prompts at once, every third cancelled after
+    its first streamed token. Every answer that completes is exact, both tiers keep
+    evicting, and every worker ends idle with all its blocks free."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from epd import LLM, SamplingParams
+    from epd.config import EngineConfig
+
+    path = tiny_model_dirs["llama"]
+    prompts = PROMPTS + [[base + (k * step) % 400 for k in range(81)] for base, step in ((13, 89), (17, 97))]
+    llm = LLM(path, dtype="float32")
+    try:
+        want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6,
+                                                                                ignore_eos=True))]
+    finally:
+        llm.shutdown()
+    block_gb = EngineConfig(path, dtype="float32", block_size=BLOCK).kv_bytes_per_block() / 2**30
+    with launch(path, "p:1,d:1", "--block-size", str(BLOCK), "--num-kv-blocks", "24",
+                "--kv-host-cache-gb", repr(2 * block_gb), "--kv-disk-cache-dir", str(tmp_path),
+                "--kv-disk-cache-gb", repr(4 * block_gb)) as server:
+        client = server.client()
+
+        def run(i: int) -> str | None:
+            p = prompts[i % len(prompts)]
+            if i % 3 == 2:  # cancelled: the client goes away after the first token
+                stream = client.completions.create(model=server.model, prompt=p, max_tokens=100, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+                next(iter(stream))
+                stream.close()
+                return None
+            return client.completions.create(model=server.model, prompt=p, max_tokens=6, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(run, range(12)))
+        assert [g for g in got if g is not None] == [want[i % len(prompts)] for i in range(12) if i % 3 != 2]
+
+        def idle():
+            st = server.workers()
+            return all(st[i]["num_free_blocks"] == 24 and not st[i]["num_running"] and not st[i]["num_waiting"]
+                       and not st[i].get("num_reserved", 0) for i in ("prefill-0", "decode-0")), st
+
+        for _ in range(100):
+            done, st = idle()
+            if done:
+                break
+            time.sleep(0.1)
+        assert done, st
+        for inst in ("prefill-0", "decode-0"):
+            s = st[inst]
+            assert s["kv_host_used_blocks"] <= 2 and s["kv_disk_used_blocks"] <= 4, s
+            assert s["kv_host_evicted_blocks"] > 0 and s["kv_disk_evicted_blocks"] > 0, s  # both tiers were full
+            assert s["kv_disk_write_errors"] == 0
