@@ -42,7 +42,10 @@ POOLS = "p:2,d:1"
 #: KV cache per worker, GiB: small enough that the replay evicts (what the host tier is for)
 KV_GB = "0.15"
 MODES = {"off": ("--no-decode-kv-reuse",), "decode-reuse": (),
-         "decode-reuse+host": ("--kv-host-cache-gb", "1")}
+         "decode-reuse+host": ("--kv-host-cache-gb", "1"),
+         # a host tier a quarter that size over a disk tier (one anonymous file per worker in /var/tmp)
+         "decode-reuse+host+disk": ("--kv-host-cache-gb", "0.25", "--kv-disk-cache-dir", "/var/tmp",
+                                    "--kv-disk-cache-gb", "1")}
 
 
 #: longest turn (input + output tokens, before scaling) of a replayed conversation
@@ -101,6 +104,7 @@ def worker_stats(url: str) -> dict[str, float]:
             "prefill_hit_tokens": sum(s.get("prefix_cache_hit_tokens", 0) for s in pre),
             "prefill_host_hit_tokens": sum(s.get("prefix_cache_host_hit_tokens", 0) for s in pre),
             "decode_host_hit_tokens": dec.get("prefix_cache_host_hit_tokens", 0),
+            "disk_hit_tokens": sum(s.get("prefix_cache_disk_hit_tokens", 0) for s in (*pre, dec)),
             "decode_query_tokens": dec.get("prefix_cache_query_tokens", 0),
             "decode_hit_tokens": dec.get("prefix_cache_hit_tokens", 0),
             "decode_reused_blocks": dec.get("kv_reused_blocks", 0)}
@@ -135,6 +139,7 @@ def run_mode(mode: str, rows: int, out_dir: Path, seed: int) -> dict:
             "decode_hit_share": _share(w["decode_hit_tokens"], w["decode_query_tokens"]),
             "host_hit_share": _share(w["prefill_host_hit_tokens"] + w["decode_host_hit_tokens"],
                                      w["prefill_query_tokens"] + w["decode_query_tokens"]),
+            "disk_hit_share": _share(w["disk_hit_tokens"], w["prefill_query_tokens"] + w["decode_query_tokens"]),
             "kv_bytes_per_request": c["epd_kv_transfer_bytes_total"] / n_ok,
             "kv_saved_bytes_per_request": c["epd_kv_transfer_saved_bytes_total"] / n_ok,
             "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"],
@@ -144,15 +149,16 @@ def run_mode(mode: str, rows: int, out_dir: Path, seed: int) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| mode | trace share | prefill hit share | decode hit share | host-tier share | KV MB P->D / req "
-             "| saved MB / req | TTFT p50 ms | TTFT p99 ms | goodput req/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | trace share | prefill hit share | decode hit share | host-tier share | of which disk "
+             "| KV MB P->D / req | saved MB / req | TTFT p50 ms | TTFT p99 ms | goodput req/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode in MODES:
         r = results.get(mode)
         if r is None:
             continue
         lines.append(f"| {mode} | {r['theoretical_share']:.1%} | {r['prefill_hit_share']:.1%} | "
                      f"{r['decode_hit_share']:.1%} | {r['host_hit_share']:.1%} | "
+                     f"{r.get('disk_hit_share', 0.0):.1%} | "
                      f"{r['kv_bytes_per_request'] / 1e6:.2f} | "
                      f"{r['kv_saved_bytes_per_request'] / 1e6:.2f} | {fmt_ms(r['ttft_p50_s'])} | "
                      f"{fmt_ms(r['ttft_p99_s'])} | {r['goodput_rps']:.2f} |")
