@@ -521,8 +521,9 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
-        if self.block_manager.host_tier is not None:
-            self.block_manager.host_tier.close()
+        bm = getattr(self, "block_manager", None)  # (None: the engine failed before it had one)
+        if bm is not None and bm.host_tier is not None:
+            bm.host_tier.close()  # its disk tier's writer thread and file
         for pool in (self._mask_thread, self._compile_thread):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
