@@ -288,8 +288,6 @@ class FreeKVDecode(RoutingPolicy):
 
     def forget(self, instance_id: str) -> None:
         self._reservations.pop(instance_id, None)
-        if self.index is not None:
-            self.index.drop_instance(instance_id)
 
     def free_after_reservations(self, w: WorkerHandle) -> int:
         free = w.load.num_free_blocks if w.load else 0
@@ -297,11 +295,15 @@ class FreeKVDecode(RoutingPolicy):
 
     def reused_blocks(self, w: WorkerHandle, req: RouterRequest | None, chains: dict[int, list[bytes]]) -> float:
         """Leading prompt blocks of ``req`` that ``w``'s prefix cache holds (reported or
-        predicted), each in a host or disk tier counted less its load cost."""
+        predicted), each in a host or disk tier counted less its load cost; 0 from an
+        instance that never reported its cache (decode-side reuse off there: its
+        predictions would promise reuse it does not do)."""
         layout = w.info.kv_layout
         if self.index is None or req is None or not req.prompt_token_ids or layout is None:
             return 0.0
         self.index.sync_pid(w.instance_id, w.info.pid)
+        if w.instance_id not in self.index.pids:
+            return 0.0
         bs = layout.block_size
         if bs not in chains:
             chains[bs] = request_block_hashes(req.prompt_token_ids, bs, req.placeholders)

@@ -86,13 +86,12 @@ def test_engine_stats_name_the_prefix_cache_counts_as_tokens():
 def test_heartbeat_metrics_read_the_token_counts():
     from unittest.mock import MagicMock
 
-    from epd.workers.base import BaseWorker
+    from epd.workers.engine_metrics import record_engine_stats
 
     counted = {}
     fake = SimpleNamespace(metrics=MagicMock(), labels={}, _counted={},
                            count_total=lambda name, total: counted.__setitem__(name, total))
-    fake.count_hits_by_tier = lambda stats: BaseWorker.count_hits_by_tier(fake, stats)
-    BaseWorker.update_metrics(fake, {"num_blocks": 8, "prefix_cache_query_tokens": 40, "prefix_cache_hit_tokens": 16})
+    record_engine_stats(fake, {"num_blocks": 8, "prefix_cache_query_tokens": 40, "prefix_cache_hit_tokens": 16})
     assert counted["prefix_cache_queries_tokens"] == 40
     fake.metrics.prefix_cache_hits_tokens.labels.assert_called_once_with(tier="device")
     fake.metrics.prefix_cache_hits_tokens.labels.return_value.inc.assert_called_once_with(16)
@@ -101,7 +100,7 @@ def test_heartbeat_metrics_read_the_token_counts():
 def test_hit_tokens_are_counted_by_tier_and_never_go_down():
     from prometheus_client import CollectorRegistry, Counter
 
-    from epd.workers.base import BaseWorker
+    from epd.workers.engine_metrics import count_hits_by_tier
 
     registry = CollectorRegistry()
     hits = Counter("hits", "h", ("pool", "instance", "tier"), registry=registry)
@@ -112,6 +111,6 @@ def test_hit_tokens_are_counted_by_tier_and_never_go_down():
         return registry.get_sample_value("hits_total", {"pool": "prefill", "instance": "prefill-0", "tier": tier})
 
     for total, host, disk in ((16, 0, 0), (48, 24, 8), (48, 32, 8), (64, 32, 8)):  # a load before its admission
-        BaseWorker.count_hits_by_tier(fake, {"prefix_cache_hit_tokens": total, "prefix_cache_host_hit_tokens": host,
-                                             "prefix_cache_disk_hit_tokens": disk})
+        count_hits_by_tier(fake, {"prefix_cache_hit_tokens": total, "prefix_cache_host_hit_tokens": host,
+                                  "prefix_cache_disk_hit_tokens": disk})
     assert (value("device"), value("host"), value("disk")) == (32, 24, 8)

@@ -432,44 +432,9 @@ class BaseWorker:
         self.count(name, total - self._counted.get(name, 0.0))
         self._counted[name] = total
 
-    def count_hits_by_tier(self, stats: dict[str, float]) -> None:
-        """``epd_prefix_cache_hits_tokens_total{tier}`` from the engine's running totals: of
-        the hit tokens, those loaded from the host tier (``prefix_cache_host_hit_tokens``),
-        of which those its disk tier read back (``prefix_cache_disk_hit_tokens``); the rest
-        were on the device. A tier's count only moves up (a load is counted when it
-        happens, its request's hits when the request is admitted)."""
-        total = stats.get("prefix_cache_hit_tokens", 0)
-        host = stats.get("prefix_cache_host_hit_tokens", 0)
-        disk = stats.get("prefix_cache_disk_hit_tokens", 0)
-        for tier, value in (("device", total - host), ("host", host - disk), ("disk", disk)):
-            key = f"prefix_cache_hits_tokens/{tier}"
-            seen = self._counted.get(key, 0.0)
-            if value > seen:
-                self.metrics.prefix_cache_hits_tokens.labels(**self.labels, tier=tier).inc(value - seen)
-                self._counted[key] = value
-
     def update_metrics(self, stats: dict[str, float]) -> None:
-        """Gauges and counters from engine stats, once per heartbeat."""
-        if "num_blocks" in stats:
-            m = self.metrics
-            m.kv_cache_usage_ratio.labels(**self.labels).set(stats.get("kv_cache_usage", 0.0))
-            m.queue_depth.labels(**self.labels).set(stats.get("num_waiting", 0))
-            m.running_requests.labels(**self.labels).set(stats.get("num_running", 0))
-            m.queued_prompt_tokens.labels(**self.labels).set(stats.get("num_queued_prompt_tokens", 0))
-            self.count_total("preemptions", stats.get("num_preemptions", 0))
-            self.count_total("prefix_cache_queries_tokens", stats.get("prefix_cache_query_tokens", 0))
-            self.count_hits_by_tier(stats)
-            if "kv_host_blocks" in stats:  # the host tier (--kv-host-cache-gb)
-                for name in ("offloaded", "loaded", "evicted"):
-                    self.count_total(f"kv_host_{name}_blocks", stats[f"kv_host_{name}_blocks"])
-                m.kv_host_cache_usage_ratio.labels(**self.labels).set(stats["kv_host_used_blocks"]
-                                                                       / stats["kv_host_blocks"])
-            if "kv_disk_blocks" in stats:  # the disk tier under it (--kv-disk-cache-dir)
-                for name in ("stored", "loaded", "evicted"):
-                    self.count_total(f"kv_disk_{name}_blocks", stats[f"kv_disk_{name}_blocks"])
-                self.count_total("kv_disk_write_errors", stats["kv_disk_write_errors"])
-                m.kv_disk_cache_usage_ratio.labels(**self.labels).set(stats["kv_disk_used_blocks"]
-                                                                       / stats["kv_disk_blocks"])
+        """Gauges and counters from this worker's ``stats()``, once per heartbeat (each
+        worker kind adds its own)."""
 
     def load(self) -> Heartbeat:
         s = self.stats()

@@ -26,6 +26,7 @@ from epd.transfer.regions import layer_regions
 from epd.workers.base import BaseWorker, WorkerArgs
 from epd.workers.embedding_buffer import EmbeddingBuffer
 from epd.workers.embedding_fetch import EmbeddingFetcher
+from epd.workers.engine_metrics import record_engine_stats
 
 
 class EngineWorker(BaseWorker):
@@ -108,7 +109,7 @@ class EngineWorker(BaseWorker):
         return super().load()
 
     def update_metrics(self, stats: dict[str, float]) -> None:
-        super().update_metrics(stats)
+        record_engine_stats(self, stats)
         self.count_total("transfers_unterminated", stats.get("transfers_unterminated", 0)
                          + stats.get("embedding_reads_unterminated", 0))
         if "num_fenced_blocks" in stats:
