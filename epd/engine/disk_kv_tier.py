@@ -9,22 +9,30 @@ on SIGKILL, and nothing read from it was written by anyone else. Its size is fix
 ``num_disk_blocks`` slots; the least recently stored or hit entry is overwritten first.
 
 Writes run on one background thread, off the engine step: ``store`` copies the block
-into a private buffer and returns. A read of a slot waits for that slot's writes first
-(the thread runs them in order). A failed write (ENOSPC, EIO) drops its entry and is
-counted in ``write_errors``: the block is a cache miss, never wrong KV.
+into a private buffer and returns. At most ``MAX_QUEUED_WRITES`` wait (a slow disk makes
+``store`` wait for the oldest, so the copies cannot grow without bound). A read of a slot
+waits for that slot's writes first (the thread runs them in order). A failed write
+(ENOSPC, EIO) drops its entry and is counted in ``write_errors``, a failed read in
+``read_errors``: the block is a cache miss, never wrong KV.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 __all__ = ["DiskKVTier"]
+
+logger = logging.getLogger(__name__)
+
+#: block writes queued at most (each holds a copy of its block until written)
+MAX_QUEUED_WRITES = 64
 
 
 class DiskKVTier:
@@ -57,11 +65,13 @@ class DiskKVTier:
         self.free_slots = list(range(num_disk_blocks - 1, -1, -1))
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="epd-kv-disk")
         self._pending: dict[int, Future] = {}  # slot -> its latest write
+        self._queued: deque[Future] = deque()  # writes in submission order, for the bound
         self._failed: set[int] = set()  # slots whose latest write failed (their entry goes at the next touch)
         self.stores = 0  # blocks written
         self.loads = 0  # blocks read back
         self.evictions = 0  # entries dropped for newer ones
         self.write_errors = 0
+        self.read_errors = 0
         self.on_drop: Callable[[bytes], None] | None = None  # called with each hash evicted or found unwritten
 
     def __len__(self) -> int:
@@ -84,9 +94,12 @@ class DiskKVTier:
             self.evictions += 1
             if self.on_drop is not None:
                 self.on_drop(dropped)
+        while self._queued and (self._queued[0].done() or len(self._queued) >= MAX_QUEUED_WRITES):
+            self._queued.popleft().exception()  # waits for the oldest when full; errors are read at load
         data = torch.stack((k, v)).contiguous().view(torch.uint8).reshape(-1).numpy().copy()
         self._failed.discard(slot)
-        self._pending[slot] = self._writer.submit(self._write, slot, data)
+        self._pending[slot] = fut = self._writer.submit(self._write, slot, data)
+        self._queued.append(fut)
         self.index[block_hash] = slot
         self.stores += 1
 
@@ -127,17 +140,24 @@ class DiskKVTier:
     def load(self, block_hash: bytes, k_out: torch.Tensor, v_out: torch.Tensor) -> bool:
         """Read ``block_hash``'s block into ``k_out`` / ``v_out`` (shaped as ``store``'s
         inputs) and mark it recently used. False (outputs untouched) when it is not
-        held, or its write failed (the entry is dropped).
-
-        Raises:
-            OSError: the read failed or came back short.
-        """
+        held, or its write or this read failed (the entry is dropped)."""
         if not self.readable(block_hash):
             return False
         slot = self.index[block_hash]
         buf = bytearray(self.block_bytes)
-        if os.preadv(self._fd, [buf], slot * self.block_bytes) != self.block_bytes:
-            raise OSError(f"short read from the disk KV tier (slot {slot})")
+        try:
+            n = os.preadv(self._fd, [buf], slot * self.block_bytes)
+        except OSError as e:
+            n, err = -1, e
+        if n != self.block_bytes:
+            self.read_errors += 1
+            logger.warning("disk KV tier: read of slot %d failed (%s): a miss", slot,
+                           err if n < 0 else f"{n} of {self.block_bytes} bytes")
+            del self.index[block_hash]
+            self.free_slots.append(slot)
+            if self.on_drop is not None:
+                self.on_drop(block_hash)
+            return False
         kv = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).view(self.block_shape)
         k_out.copy_(kv[0])
         v_out.copy_(kv[1])
@@ -156,4 +176,5 @@ class DiskKVTier:
     def stats(self) -> dict[str, float]:
         return {"kv_disk_blocks": self.num_blocks, "kv_disk_used_blocks": len(self.index),
                 "kv_disk_stored_blocks": self.stores, "kv_disk_loaded_blocks": self.loads,
-                "kv_disk_evicted_blocks": self.evictions, "kv_disk_write_errors": self.write_errors}
+                "kv_disk_evicted_blocks": self.evictions, "kv_disk_write_errors": self.write_errors,
+                "kv_disk_read_errors": self.read_errors}

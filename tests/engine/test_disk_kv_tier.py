@@ -135,3 +135,47 @@ def test_disk_tier_needs_a_directory_a_size_and_the_host_tier(llama, tmp_path):
         EngineConfig(llama, kv_host_cache_gb=1.0, kv_disk_cache_gb=1.0)
     with pytest.raises(ConfigError, match="not a directory"):
         EngineConfig(llama, kv_host_cache_gb=1.0, kv_disk_cache_dir=str(tmp_path / "nope"), kv_disk_cache_gb=1.0)
+
+
+def test_a_failed_read_is_a_miss(tmp_path):
+    k, v = _caches(torch.float32)
+    disk = _disk(tmp_path, torch.float32, 2)
+    dropped = []
+    disk.on_drop = dropped.append
+    write_only = os.open("/dev/full", os.O_WRONLY)
+    try:
+        disk.store(b"a", k[:, 0], v[:, 0])
+        assert disk.readable(b"a")
+        real_fd, disk._fd = disk._fd, write_only  # reads now fail (EBADF)
+        out_k, out_v = torch.zeros_like(k[:, 0]), torch.zeros_like(v[:, 0])
+        assert not disk.load(b"a", out_k, out_v)
+        assert disk.read_errors == 1 and b"a" not in disk and dropped == [b"a"] and not out_k.any()
+        disk._fd = real_fd
+    finally:
+        os.close(write_only)
+        disk.close()
+
+
+def test_queued_writes_are_bounded(tmp_path, monkeypatch):
+    """With the writer stuck, ``store`` waits once ``MAX_QUEUED_WRITES`` copies are queued."""
+    import threading
+
+    from epd.engine import disk_kv_tier
+
+    monkeypatch.setattr(disk_kv_tier, "MAX_QUEUED_WRITES", 2)
+    k, v = _caches(torch.float32)
+    disk = _disk(tmp_path, torch.float32, 4)
+    gate = threading.Event()
+    disk._queued.append(disk._writer.submit(gate.wait))  # the disk is slow
+    try:
+        disk.store(b"a", k[:, 0], v[:, 0])
+        third = threading.Thread(target=disk.store, args=(b"b", k[:, 1], v[:, 1]))
+        third.start()
+        third.join(0.5)
+        assert third.is_alive() and b"b" not in disk  # waiting for room
+        gate.set()
+        third.join(10)
+        assert not third.is_alive() and b"b" in disk and len(disk._queued) <= 2
+    finally:
+        gate.set()
+        disk.close()
