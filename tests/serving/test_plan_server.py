@@ -144,8 +144,9 @@ def test_correct_fits_a_profile_to_live_traffic(small_llama, tmp_path):
     obs = Observation(**out["observed"])
     assert obs.requests >= 10 and (obs.prefill, obs.decode) == (1, 1), obs
     # 100 fresh token ids each, counted with each prefill's time (a counter kept by heartbeats
-    # lags it by a heartbeat's requests: 93 in CI); only a scrape between the two can differ
-    assert obs.isl_mean == pytest.approx(100, abs=100 / obs.requests), obs
+    # lags it by a heartbeat's requests: 93 in CI); only a scrape between the two can differ,
+    # by a prompt at each edge of the window (once seen: 101.25 over 81 requests)
+    assert obs.isl_mean == pytest.approx(100, abs=2 * 101 / obs.requests), obs
     assert obs.osl_mean == pytest.approx(16, rel=0.25), obs  # the window's edges cut a few streams
     cp, cd = out["prefill_correction"], out["decode_correction"]
     assert 1 < cp < 15 and 1 < cd < 15, out  # the claims were too fast; neither at the search's end (16)
