@@ -129,6 +129,14 @@ class RoundRobin(RoutingPolicy):
 TIER_BLOCK_COST = (0.0, 0.005, 0.05)
 
 
+def tier_load_blocks(index: KVIndex, chain: list[bytes], instance_id: str, overlap: int) -> float:
+    """What loading the first ``overlap`` blocks of ``chain`` on ``instance_id`` back from
+    its tiers costs, in blocks of prefill (``TIER_BLOCK_COST`` per block and tier)."""
+    if not overlap:
+        return 0.0
+    return sum(c * n for c, n in zip(TIER_BLOCK_COST, index.tier_counts(chain, instance_id, overlap)))
+
+
 class KVAwarePrefill(RoutingPolicy):
     """Lowest ``overlap_weight x new_blocks + open_blocks`` (Dynamo's KV router cost).
 
@@ -187,8 +195,7 @@ class KVAwarePrefill(RoutingPolicy):
                 if bs not in chains:
                     chains[bs] = request_block_hashes(req.prompt_token_ids, bs, req.placeholders)
                 overlap = self.index.overlap(chains[bs], [w.instance_id])[w.instance_id]
-            tiers = self.index.tier_counts(chains[bs], w.instance_id, overlap) if overlap else ()
-            load = sum(c * n for c, n in zip(TIER_BLOCK_COST, tiers))
+            load = tier_load_blocks(self.index, chains[bs], w.instance_id, overlap) if bs else 0.0
             out[w.instance_id] = (self.overlap_weight * (total - overlap + load) + self.open_blocks(w), total, overlap)
         return out
 
@@ -308,10 +315,7 @@ class FreeKVDecode(RoutingPolicy):
         if bs not in chains:
             chains[bs] = request_block_hashes(req.prompt_token_ids, bs, req.placeholders)
         overlap = self.index.overlap(chains[bs], [w.instance_id])[w.instance_id]
-        if not overlap:
-            return 0.0
-        tiers = self.index.tier_counts(chains[bs], w.instance_id, overlap)
-        return overlap - sum(c * n for c, n in zip(TIER_BLOCK_COST, tiers))
+        return overlap - tier_load_blocks(self.index, chains[bs], w.instance_id, overlap)
 
     def select(self, workers, req=None):
         if not workers:

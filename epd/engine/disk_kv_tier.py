@@ -128,11 +128,8 @@ class DiskKVTier:
         if slot is None:
             return False
         if not self._settled(slot):
-            del self.index[block_hash]
             self._failed.discard(slot)
-            self.free_slots.append(slot)
-            if self.on_drop is not None:
-                self.on_drop(block_hash)
+            self._drop(block_hash, slot)
             return False
         self.index.move_to_end(block_hash)
         return True
@@ -153,16 +150,20 @@ class DiskKVTier:
             self.read_errors += 1
             logger.warning("disk KV tier: read of slot %d failed (%s): a miss", slot,
                            err if n < 0 else f"{n} of {self.block_bytes} bytes")
-            del self.index[block_hash]
-            self.free_slots.append(slot)
-            if self.on_drop is not None:
-                self.on_drop(block_hash)
+            self._drop(block_hash, slot)
             return False
         kv = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype).view(self.block_shape)
         k_out.copy_(kv[0])
         v_out.copy_(kv[1])
         self.loads += 1
         return True
+
+    def _drop(self, block_hash: bytes, slot: int) -> None:
+        """Forget ``block_hash``'s entry (its slot is free again) and say so."""
+        del self.index[block_hash]
+        self.free_slots.append(slot)
+        if self.on_drop is not None:
+            self.on_drop(block_hash)
 
     def clear(self) -> None:
         """Forget every entry (queued writes still land; their slots are free)."""
