@@ -96,6 +96,9 @@ KV_DISK_LOADED = "epd_kv_disk_loaded_blocks_total"
 KV_DISK_EVICTED = "epd_kv_disk_evicted_blocks_total"
 KV_DISK_WRITE_ERRORS = "epd_kv_disk_write_errors_total"
 KV_DISK_USAGE = "epd_kv_disk_cache_usage_ratio"
+REMOTE_PREFIX_READS = "epd_kv_remote_prefix_reads_total"
+REMOTE_PREFIX_READ_BYTES = "epd_kv_remote_prefix_read_bytes_total"
+KV_PINNED_BLOCKS = "epd_kv_pinned_blocks"
 ENCODER_QUERIES = "epd_encoder_cache_queries_total"
 ENCODER_HITS = "epd_encoder_cache_hits_total"
 ENCODE_VIDEO_CHUNKS = "epd_encode_video_chunks_total"
@@ -164,7 +167,13 @@ class Metrics:
         prefix_cache_hits_tokens: of those, tokens whose KV was reused, with a third label
             ``tier``: where the block was found (``device``: still in the KV cache;
             ``host``: loaded back from the host tier, ``--kv-host-cache-gb``; ``disk``:
-            read back from the disk tier under it, ``--kv-disk-cache-dir``).
+            read back from the disk tier under it, ``--kv-disk-cache-dir``; ``remote``: read
+            over NIXL from another prefill instance's KV cache).
+        remote_prefix_reads: a prefill instance's remote prefix reads, with a third label
+            ``outcome`` (ok: the blocks were read and cached; fallback: the read failed,
+            timed out, its holder died or no longer held them, and the prompt was prefilled;
+            aborted: the request ended first).
+        remote_prefix_read_bytes: KV bytes those reads moved.
         kv_host_offloaded_blocks: evicted prefix-cache blocks copied to the host tier.
         kv_host_loaded_blocks: host-tier blocks copied back for a prefix hit.
         kv_host_evicted_blocks: host-tier blocks dropped (least recently used) for newer
@@ -201,6 +210,8 @@ class Metrics:
             whose writer may still write (not done, not gone).
         kv_host_cache_usage_ratio: used / total blocks of the instance's host tier, 0..1.
         kv_disk_cache_usage_ratio: used / total blocks of the instance's disk tier, 0..1.
+        kv_pinned_blocks: a prefill instance's KV blocks pinned for other instances'
+            remote prefix reads.
         pool_instances: instances per pool as the router sees them, label ``state``
             (live: routable; draining; dead: registered, not alive, not forgotten yet), labels
             ``pool`` and ``state`` only; ``epd_pool_instances``.
@@ -253,6 +264,8 @@ class Metrics:
     prompt_tokens: object
     prefix_cache_queries_tokens: object
     prefix_cache_hits_tokens: object
+    remote_prefix_reads: object
+    remote_prefix_read_bytes: object
     kv_host_offloaded_blocks: object
     kv_host_loaded_blocks: object
     kv_host_evicted_blocks: object
@@ -273,6 +286,7 @@ class Metrics:
     kv_fenced_blocks: object
     kv_host_cache_usage_ratio: object
     kv_disk_cache_usage_ratio: object
+    kv_pinned_blocks: object
     pool_instances: object
 
 
@@ -335,6 +349,8 @@ _COUNTERS = {
     "kv_disk_evicted_blocks": (_family(KV_DISK_EVICTED), "Disk-tier blocks dropped for newer ones (tier full)"),
     "kv_disk_write_errors": (_family(KV_DISK_WRITE_ERRORS), "Disk-tier writes that failed (the block became a "
                              "miss)"),
+    "remote_prefix_read_bytes": (_family(REMOTE_PREFIX_READ_BYTES), "KV bytes read from other prefill instances' "
+                                 "KV caches (remote prefix reads)"),
     "encoder_cache_queries": (_family(ENCODER_QUERIES), "Multimodal items looked up in the encoder cache"),
     "encoder_cache_hits": (_family(ENCODER_HITS), "Multimodal items found in the encoder cache"),
     "encode_video_chunks": (_family(ENCODE_VIDEO_CHUNKS), "Chunks of temporal patches of a video an encode worker was "
@@ -345,7 +361,9 @@ _COUNTERS = {
 # counters with a label beyond pool and instance: field -> (metric name, help, extra labels)
 _LABELLED_COUNTERS = {
     "prefix_cache_hits_tokens": (_family(PREFIX_HITS), "Prompt tokens found in the prefix cache, by tier "
-                                 "(device, host, disk)", ("tier",)),
+                                 "(device, host, disk, remote)", ("tier",)),
+    "remote_prefix_reads": (_family(REMOTE_PREFIX_READS), "Remote prefix reads of a prefill instance, by outcome "
+                            "(ok, fallback, aborted)", ("outcome",)),
     "routing_decisions": (_family(ROUTED), "Requests routed to an instance, by policy", ("policy",)),
 }
 # field -> (metric name, help, multiprocess_mode); see Metrics for the choice of mode
@@ -356,6 +374,8 @@ _GAUGES = {
     "queued_prompt_tokens": (QUEUED_PROMPT_TOKENS, "Prompt tokens waiting to be prefilled (queued or "
                              "partly prefilled requests)", "livemax"),
     "kv_fenced_blocks": (KV_FENCED_BLOCKS, "KV blocks of aborted reservations whose writer may still write",
+                         "livemax"),
+    "kv_pinned_blocks": (KV_PINNED_BLOCKS, "KV blocks pinned for other instances' remote prefix reads",
                          "livemax"),
     "kv_disk_cache_usage_ratio": (KV_DISK_USAGE, "Used / total blocks of the prefix cache's disk tier, 0..1",
                                   "livemax"),

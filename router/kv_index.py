@@ -186,6 +186,17 @@ class KVIndex:
             counts[mine.get(h, 0)] += 1
         return counts
 
+    def device_overlap(self, chain: Iterable[bytes], instance_id: str) -> int:
+        """Leading blocks of ``chain`` that ``instance_id`` reported in its KV cache (the
+        device tier; predictions not counted): what a remote prefix read can take from it."""
+        mine = self.by_instance.get(instance_id, {})
+        n = 0
+        for h in chain:
+            if mine.get(h) != 0:
+                break
+            n += 1
+        return n
+
     def overlap(self, chain: Iterable[bytes], instances: Iterable[str], now: float | None = None) -> dict[str, int]:
         """Leading blocks of ``chain`` (a request's block hashes, first block first)
         that each of ``instances`` holds, as reported or predicted at ``now``

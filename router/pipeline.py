@@ -11,7 +11,9 @@ touched (when it did not finish) and forgets it. Its stages:
   the prefill side then reads from each.
 - **disaggregated** (prefill and decode pools): ``ReserveKV`` on a decode
   worker, then ``PrefillRequest`` on a prefill worker, which computes the
-  prompt and writes its KV straight into the reserved blocks; ``PrefillDone``
+  prompt and writes its KV straight into the reserved blocks (first reading the
+  prefix blocks another prefill instance holds, when the KV index says one holds
+  more of it: ``prefix_holder``); ``PrefillDone``
   carries the first token, and the decode worker streams the rest (its first
   tokens may overtake ``PrefillDone``: they are stashed and put back in order).
 - **aggregated** (a ``pd`` pool): ``GenerateRequest`` on one engine that
@@ -49,8 +51,9 @@ from epd.messages import (
 )
 from epd.roles import Role
 from epd.router.encode_split import plan_encode
+from epd.router.kv_index import KVIndex, request_block_hashes
 from epd.router.mailbox import Mailbox
-from epd.router.policies import NoInstanceError, RoutingPolicy
+from epd.router.policies import NoInstanceError, RoutingPolicy, prefix_holder
 from epd.router.registry import PoolRegistry, WorkerHandle
 from epd.router.request import RequestError, RequestState, RequestStates, RouterRequest, TokenEvent
 
@@ -70,8 +73,11 @@ class Pipeline:
 
     def __init__(self, registry: PoolRegistry, mailbox: Mailbox, policies: dict[str, RoutingPolicy],
                  states: RequestStates, metrics: Callable[[], object], *, stage_timeout_s: float,
-                 token_timeout_s: float, video_encode_split: str = "auto") -> None:
+                 token_timeout_s: float, video_encode_split: str = "auto", kv_index: KVIndex | None = None,
+                 remote_prefix_reads: bool = True) -> None:
         self.registry = registry
+        self.kv_index = kv_index
+        self.remote_prefix_reads = remote_prefix_reads and kv_index is not None
         self.video_encode_split = video_encode_split
         self.mailbox = mailbox
         self.policies = policies
@@ -289,7 +295,8 @@ class Pipeline:
                                   list(reserved.block_ids), placeholders, e_id, refs,
                                   decode_staging_block=reserved.staging_block,
                                   decode_generation=reserved.generation,
-                                  decode_num_cached_blocks=reserved.num_cached_blocks))
+                                  decode_num_cached_blocks=reserved.num_cached_blocks,
+                                  prefix_holder=self.prefix_holder(p, req)))
             early: list[TokenOutput] = []
             done = await self.mailbox.expect(rid, (PrefillDone,), self.stage_timeout_s, "prefill", stash=early,
                                              watch=(p, d))
@@ -302,6 +309,15 @@ class Pipeline:
         finally:
             p.inflight -= 1
         return done, early
+
+    def prefix_holder(self, p: WorkerHandle, req) -> str:
+        """The prefill instance ``p`` should read ``req``'s prefix blocks from (remote
+        prefix reads, ``epd.router.policies.prefix_holder``); "" for none."""
+        layout = p.info.kv_layout
+        if not self.remote_prefix_reads or p.role != Role.PREFILL or layout is None or not req.prompt_token_ids:
+            return ""
+        chain = request_block_hashes(req.prompt_token_ids, layout.block_size, req.placeholders)
+        return prefix_holder(self.kv_index, chain, p, self.registry.routable(Role.PREFILL))[0]
 
     async def stream(self, rid: str, first_timeout_s: float, num_cached_tokens: int = 0,
                      watch: tuple[WorkerHandle, ...] = ()) -> AsyncIterator[TokenEvent]:

@@ -137,6 +137,37 @@ def tier_load_blocks(index: KVIndex, chain: list[bytes], instance_id: str, overl
     return sum(c * n for c, n in zip(TIER_BLOCK_COST, index.tier_counts(chain, instance_id, overlap)))
 
 
+#: what reading one block from another prefill instance's KV cache over NIXL costs, as a
+#: share of prefilling it (``epd.transfer.remote_prefix``), and the fewest blocks worth a
+#: read: below that, the pin round trip (two NIXL notifications, each served between the
+#: holder's steps) costs more than the prefill it saves. Measured by
+#: ``benchmarks/kv_tier_costs.py`` (SmolLM2-135M bf16, 16-token blocks, 2 CPU cores): see
+#: benchmarks/README.md.
+REMOTE_BLOCK_COST = 0.01
+REMOTE_READ_MIN_BLOCKS = 4
+
+
+def prefix_holder(index: KVIndex, chain: list[bytes], w: WorkerHandle, workers: list[WorkerHandle]
+                  ) -> tuple[str, int]:
+    """The instance of ``workers`` (not ``w``) whose KV cache holds the most leading
+    blocks of ``chain`` (reported), with blocks moving to ``w`` as they are
+    (``KVLayout.same_blocks``), and how many more than ``w`` holds anywhere (reported or
+    predicted); ("", 0) when none holds ``REMOTE_READ_MIN_BLOCKS`` more."""
+    layout = w.info.kv_layout
+    if layout is None or not chain:
+        return "", 0
+    mine = index.overlap(chain, [w.instance_id])[w.instance_id]
+    best, extra = "", 0
+    for h in sorted(workers, key=lambda x: x.instance_id):
+        if h is w or not layout.same_blocks(h.info.kv_layout):
+            continue
+        index.sync_pid(h.instance_id, h.info.pid)
+        more = index.device_overlap(chain, h.instance_id) - mine
+        if more > extra:
+            best, extra = h.instance_id, more
+    return (best, extra) if extra >= REMOTE_READ_MIN_BLOCKS else ("", 0)
+
+
 class KVAwarePrefill(RoutingPolicy):
     """Lowest ``overlap_weight x new_blocks + open_blocks`` (Dynamo's KV router cost).
 
@@ -145,7 +176,10 @@ class KVAwarePrefill(RoutingPolicy):
     (reported, or predicted from the requests routed there; the chosen
     instance's prediction is recorded on each pick), plus, for each of those it
     holds only in its host or disk tier, the share of a block's prefill that
-    loading it back costs (``TIER_BLOCK_COST``).
+    loading it back costs (``TIER_BLOCK_COST``). With ``remote_reads``, blocks past those
+    that another instance's KV cache holds (``prefix_holder``) count as read from there
+    (``REMOTE_BLOCK_COST`` each), not prefilled: the score counts a prefix held anywhere
+    in the pool, weighted by where it is, so a busy holder's prefix still helps the others.
     ``open_blocks``: prompt blocks of the requests routed to the instance that
     are still open there (the router's ``inflight`` count of them, newest
     kept: requests in a prefill pool finish about in arrival order), the
@@ -157,11 +191,12 @@ class KVAwarePrefill(RoutingPolicy):
 
     name = "kv"
 
-    def __init__(self, index: KVIndex, overlap_weight: float = 1.0) -> None:
+    def __init__(self, index: KVIndex, overlap_weight: float = 1.0, remote_reads: bool = True) -> None:
         if overlap_weight < 0:
             raise ValueError(f"kv overlap weight must be >= 0, got {overlap_weight}")
         self.index = index
         self.overlap_weight = overlap_weight
+        self.remote_reads = remote_reads
         self._open: dict[str, deque[int]] = {}
         self._routed: dict[str, int] = {}
 
@@ -196,6 +231,10 @@ class KVAwarePrefill(RoutingPolicy):
                     chains[bs] = request_block_hashes(req.prompt_token_ids, bs, req.placeholders)
                 overlap = self.index.overlap(chains[bs], [w.instance_id])[w.instance_id]
             load = tier_load_blocks(self.index, chains[bs], w.instance_id, overlap) if bs else 0.0
+            if bs and self.remote_reads:
+                remote = prefix_holder(self.index, chains[bs], w, workers)[1]
+                load += remote * REMOTE_BLOCK_COST
+                overlap += remote
             out[w.instance_id] = (self.overlap_weight * (total - overlap + load) + self.open_blocks(w), total, overlap)
         return out
 
@@ -371,7 +410,7 @@ class MediaAffinity(RoutingPolicy):
 
 
 def build_policy(role: str, name: str | None, kv_index: KVIndex | None = None,
-                 kv_overlap_weight: float = 1.0) -> RoutingPolicy:
+                 kv_overlap_weight: float = 1.0, remote_prefix_reads: bool = True) -> RoutingPolicy:
     """The policy ``name`` (None: the pool's default) for pool ``role``.
 
     Raises:
@@ -387,7 +426,8 @@ def build_policy(role: str, name: str | None, kv_index: KVIndex | None = None,
     if name == "least-loaded":
         return LeastLoaded()
     if name == "kv":
-        return KVAwarePrefill(kv_index if kv_index is not None else KVIndex(), kv_overlap_weight)
+        return KVAwarePrefill(kv_index if kv_index is not None else KVIndex(), kv_overlap_weight,
+                              remote_prefix_reads and role == Role.PREFILL)
     if name == "free-kv":
         return FreeKVDecode(kv_index)
     return MediaAffinity()

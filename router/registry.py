@@ -3,7 +3,8 @@
 Membership: a worker joins with ``WorkerReady`` (``register``), answered with
 ``Registered`` (the router's ``epoch``), which also introduces it to the peers it
 moves data with over NIXL: prefill / aggregated workers read embeddings from
-encoders and write KV to decoders, so each side gets the other's ``PeerInfo``
+encoders and write KV to decoders, so each side gets the other's ``PeerInfo``, and
+prefill workers read prefix blocks from each other (remote prefix reads)
 (only members reach the router's socket: with cluster keys it is CURVE
 authenticated). A worker stays alive while its heartbeats (or any message)
 arrive within ``heartbeat_timeout_s``; the launcher can declare it dead sooner
@@ -246,9 +247,14 @@ class PoolRegistry:
                     w.send(peer)
         if info.role in (Role.PREFILL, Role.PD):
             for w in self.workers.values():
-                if w.role in (Role.ENCODE, Role.DECODE):
+                if w.role in (Role.ENCODE, Role.DECODE) or (info.role == w.role == Role.PREFILL and w is not handle):
                     handle.send(PeerInfo(w.instance_id, w.info.nixl_metadata, list(w.info.regions),
                                          w.info.kv_layout, w.info.pid))
+        # Prefill workers read prefix blocks from each other (epd.transfer.remote_prefix).
+        if info.role == Role.PREFILL:
+            for w in self.workers.values():
+                if w.role == Role.PREFILL and w is not handle:
+                    w.send(peer)
         return handle
 
     def heartbeat(self, hb: Heartbeat) -> None:

@@ -76,6 +76,9 @@ class Router:
             (``epd.router.policies.POLICIES``; None: the pool's default, media-affinity /
             kv / free-kv); the aggregated ``pd`` pool follows ``prefill_routing``.
         kv_overlap_weight: weight of the blocks still to prefill in the kv policy's cost.
+        remote_prefix_reads: a prefill instance reads the prefix blocks another prefill
+            instance's KV cache holds instead of prefilling them (``epd.transfer.remote_prefix``),
+            and the kv policy counts them as read.
         video_encode_split: "auto" (a long Qwen-VL video is encoded in chunks of temporal
             patches over the encode pool's live instances, ``epd.router.encode_split``) or
             "off" (a request's items all go to one encoder).
@@ -97,7 +100,8 @@ class Router:
                  kv_failure_policy: str = "retry", encode_routing: str | None = None,
                  prefill_routing: str | None = None, decode_routing: str | None = None,
                  kv_overlap_weight: float = 1.0, keys: ClusterKeys | None = None, model: str = "",
-                 video_encode_split: str = "auto", forget_dead_after_s: float = 60.0) -> None:
+                 video_encode_split: str = "auto", forget_dead_after_s: float = 60.0,
+                 remote_prefix_reads: bool = True) -> None:
         from epd.cluster_auth import ROUTER, require_keys
 
         check_policy(max_retries, kv_failure_policy)
@@ -122,14 +126,15 @@ class Router:
         self.endpoint = self.mailbox.endpoint
         self.kv_index = KVIndex()  # prefix caches of the prefill, pd and decode instances, from their KVEvents
         self.policies: dict[str, RoutingPolicy] = {
-            role: build_policy(role, name, self.kv_index, kv_overlap_weight)
+            role: build_policy(role, name, self.kv_index, kv_overlap_weight, remote_prefix_reads)
             for role, name in ((Role.ENCODE, encode_routing), (Role.PREFILL, prefill_routing),
                                (Role.PD, prefill_routing), (Role.DECODE, decode_routing), (Role.TTS, None))}
         self.states = RequestStates(lambda: self.metrics)
         self.state_counts = self.states.outcomes  # requests finished in this process, by outcome
         self.pipeline = Pipeline(self.registry, self.mailbox, self.policies, self.states, lambda: self.metrics,
                                  stage_timeout_s=stage_timeout_s, token_timeout_s=token_timeout_s,
-                                 video_encode_split=video_encode_split)
+                                 video_encode_split=video_encode_split, kv_index=self.kv_index,
+                                 remote_prefix_reads=remote_prefix_reads)
         self.recovery = Recovery(self.pipeline, self._count, max_retries=max_retries,
                                  kv_failure_policy=kv_failure_policy)
         self._stats_waiters: dict[int, tuple[asyncio.Future, dict, int]] = {}

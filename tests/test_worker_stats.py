@@ -75,6 +75,7 @@ def test_engine_stats_name_the_prefix_cache_counts_as_tokens():
 
     bm = SimpleNamespace(num_blocks=8, num_free_blocks=6, usage=lambda: 0.25, prefix_cache_queries=40,
                          prefix_cache_hits=16, prefix_cache_host_hits=8, prefix_cache_disk_hits=0,
+                         prefix_cache_remote_hits=0,
                          host_tier=None)
     sched = SimpleNamespace(running=[], waiting=[], waiting_for_remote_kv={}, num_preemptions=0)
     s = LLMEngine.stats(SimpleNamespace(block_manager=bm, scheduler=sched, config=SimpleNamespace(max_model_len=64)))

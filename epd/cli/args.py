@@ -73,6 +73,10 @@ def add_routing_args(rt, d: LaunchConfig) -> None:
     rt.add_argument("--kv-overlap-weight", type=non_negative_float, default=d.kv_overlap_weight,
                     help="weight of the blocks still to prefill against the open blocks in the kv policy's cost "
                          "(default: %(default)s; 0 ignores cached prefixes)")
+    rt.add_argument("--no-remote-prefix-reads", dest="remote_prefix_reads", action="store_false",
+                    help="a prefill instance prefills the prefix blocks another prefill instance's KV cache holds, "
+                         "instead of reading them from it over NIXL (default: read them, when both run TP 1 and "
+                         "the other holds at least 4 more blocks)")
 
 
 def add_recovery_args(fr, d: LaunchConfig, launcher: bool = True) -> None:

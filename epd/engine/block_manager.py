@@ -42,6 +42,7 @@ class BlockManager:
         self.prefix_cache_hits = 0  # tokens found
         self.prefix_cache_host_hits = 0  # of the blocks found, tokens loaded back from the host tier
         self.prefix_cache_disk_hits = 0  # ... of which the host tier read back from its disk tier
+        self.prefix_cache_remote_hits = 0  # tokens read from another instance's KV cache (commit_remote)
         # The host tier (epd.engine.host_kv_tier.HostKVTier; None: off): evicted hashed
         # blocks are kept there, and a lookup continues there past the device's hits.
         self._host_tier = None
@@ -224,7 +225,14 @@ class BlockManager:
         Blocks are released tail first, so the end of a prompt is evicted before
         its (more shareable) beginning.
         """
-        for block_id in reversed(seq.block_table):
+        self.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference of each of ``block_ids``, last first; a block left unreferenced
+        is free (a hashed one stays cached, evicted last; an unhashed one is taken first)."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
@@ -232,8 +240,45 @@ class BlockManager:
                 self.free_blocks[block_id] = None
                 if block.block_hash is None:
                     self.free_blocks.move_to_end(block_id, last=False)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
+
+    # ---- remote prefix reads (epd.transfer.remote_prefix) -------------------------
+    def pin(self, block_hashes: list[bytes]) -> list[int]:
+        """Holder side: take a reference on the blocks of the leading ``block_hashes`` that
+        the KV cache holds (not the tiers), so no allocation evicts or reuses them while
+        another instance reads them; returns their ids, in order (``release`` unpins)."""
+        ids: list[int] = []
+        for h in block_hashes:
+            block_id = self.cached_blocks.get(h)
+            if block_id is None:
+                break
+            ids.append(block_id)
+        for block_id in ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+        return ids
+
+    def allocate_blocks(self, num_blocks: int) -> list[int] | None:
+        """Reader side: ``num_blocks`` free blocks, referenced and unhashed, for KV that a
+        remote read writes; None (nothing taken) when fewer are free."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        return [self._pop_free_block() for _ in range(num_blocks)]
+
+    def commit_remote(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        """Reader side: ``block_ids`` (from ``allocate_blocks``) now hold the KV of
+        ``block_hashes``: cache them under those hashes (a hash cached meanwhile keeps
+        its block; the read copy stays unhashed) and release them, so the next lookup of
+        the prompt hits them."""
+        for block_id, h in zip(block_ids, block_hashes):
+            if h in self.cached_blocks:
+                continue
+            self.blocks[block_id].block_hash = h
+            self.cached_blocks[h] = block_id
+            self._record_kv_event(h, "device")
+            self.prefix_cache_remote_hits += self.block_size
+        self.release(block_ids)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""

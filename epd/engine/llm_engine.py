@@ -492,7 +492,8 @@ class LLMEngine:
         """KV and queue counters: free/total blocks, running, waiting, preemptions,
         prefix-cache tokens looked up and found (``prefix_cache_query_tokens``,
         ``prefix_cache_hit_tokens``: tokens, not lookups; ``prefix_cache_host_hit_tokens``:
-        of those, tokens loaded back from the host tier), and the host tier's
+        of those, tokens loaded back from the host tier; ``prefix_cache_remote_hit_tokens``:
+        tokens read from another instance's KV cache), and the host tier's
         ``kv_host_*`` block counts when it is on (``HostKVTier.stats``)."""
         bm = self.block_manager
         return {
@@ -510,6 +511,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.prefix_cache_hits,
             "prefix_cache_host_hit_tokens": bm.prefix_cache_host_hits,
             "prefix_cache_disk_hit_tokens": bm.prefix_cache_disk_hits,
+            "prefix_cache_remote_hit_tokens": bm.prefix_cache_remote_hits,
             **(bm.host_tier.stats() if bm.host_tier is not None else {}),
         }
 

@@ -86,7 +86,8 @@ async def serve(config: LaunchConfig, model_dir: Path, t0: float, *, plan=None, 
                         kv_failure_policy=config.kv_failure_policy, encode_routing=config.encode_routing,
                         prefill_routing=config.prefill_routing, decode_routing=config.decode_routing,
                         kv_overlap_weight=config.kv_overlap_weight, keys=keys, model=model_fingerprint(model_dir),
-                        video_encode_split=config.video_encode_split, forget_dead_after_s=config.forget_dead_after)
+                        video_encode_split=config.video_encode_split, forget_dead_after_s=config.forget_dead_after,
+                        remote_prefix_reads=config.remote_prefix_reads)
         await router.start()
         launcher = None
         try:

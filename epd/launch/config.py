@@ -133,6 +133,7 @@ class LaunchConfig:
     prefill_routing: str = ROUTING_POLICIES[Role.PREFILL][0]
     decode_routing: str = ROUTING_POLICIES[Role.DECODE][0]
     kv_overlap_weight: float = 1.0
+    remote_prefix_reads: bool = True  # --no-remote-prefix-reads turns them off
     video_encode_split: str = "auto"  # one of VIDEO_ENCODE_SPLITS
     # failure recovery
     max_retries: int = 2

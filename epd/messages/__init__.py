@@ -3,7 +3,7 @@
 Each message is a tagged msgspec struct sent as msgpack, never pickle:
 
 - ``control``: router <-> worker over ZeroMQ, and its codec ``encode`` / ``decode``;
-- ``kv_notifs``: prefill -> decode NIXL notifications (same codec);
+- ``kv_notifs``: NIXL notifications, prefill -> decode and prefill <-> prefill (same codec);
 - ``tp``: rank 0 -> the other TP ranks of an instance (the KV connector's messages);
 - ``kv_layout``: a worker's advertised KV memory; ``tensors``: ``TensorBlob``;
   ``base``: ``Region``, ``MessageError``, ``Shutdown`` (router -> worker and rank 0 -> ranks).
@@ -28,6 +28,7 @@ Flow (see docs/architecture.md, "Wire messages"):
   P/PD -> router: KVEvents (prefix-cache changes, for KV-aware routing)
   router -> any: Abort, PeerGone, Shutdown, Registered / RegistrationRefused, RouterPing
   any -> router: Draining (SIGTERM)     P -> D (NIXL notif, router lost): KVWriterFenced
+  P -> P (NIXL notifs, remote prefix read): PrefixPin, PrefixPinned, PrefixUnpin
   rank 0 -> ranks 1..: StepInput (epd.engine.step_input), KVRankMessage, Shutdown
 """
 
@@ -81,6 +82,9 @@ from epd.messages.kv_notifs import (
     KVReady,
     KVWriterDone,
     KVWriterFenced,
+    PrefixPin,
+    PrefixPinned,
+    PrefixUnpin,
 )
 from epd.messages.tensors import (
     MAX_TENSOR_BYTES,
@@ -101,7 +105,8 @@ from epd.messages.tp import (
 
 __all__ = [
     "Region", "MessageError", "Shutdown", "MAX_TENSOR_BYTES", "TensorBlob", "typed_view", "RankKV",
-    "KVLayout", "KVReady", "KVWriterDone", "KVWriterFenced", "TokenLogprob", "WorkerReady", "Heartbeat",
+    "KVLayout", "KVReady", "KVWriterDone", "KVWriterFenced", "PrefixPin", "PrefixPinned", "PrefixUnpin",
+    "TokenLogprob", "WorkerReady", "Heartbeat",
     "KVEvents", "PeerInfo", "TemporalRange", "EncodeRequest", "EmbeddingRef", "EncodeDone", "ReserveKV",
     "KVReserved", "PrefillRequest", "PrefillDone", "GenerateRequest", "TokenOutput", "MAX_TTS_TEXT_CHARS",
     "MAX_AUDIO_CHUNK_BYTES", "SynthesizeRequest", "AudioChunk", "RequestFailed", "Abort", "PeerGone",

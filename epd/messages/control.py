@@ -15,7 +15,7 @@ import msgspec
 
 from epd.messages.base import MessageError, Region, Shutdown
 from epd.messages.kv_layout import KVLayout
-from epd.messages.kv_notifs import KVReady, KVWriterDone, KVWriterFenced
+from epd.messages.kv_notifs import KVReady, KVWriterDone, KVWriterFenced, PrefixPin, PrefixPinned, PrefixUnpin
 from epd.messages.tensors import dec_hook, enc_hook
 from epd.multimodal import MediaItem, Placeholder
 from epd.sampling_params import SamplingParams
@@ -213,6 +213,9 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
     decode_generation: int = 0  # KVReserved.generation
     # KVReserved.num_cached_blocks: decode_block_ids take the prompt's blocks from this one on
     decode_num_cached_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # another prefill instance whose KV cache holds more of the prompt's prefix, per the
+    # router's KV index: read those blocks from it over NIXL first ("": none)
+    prefix_holder: str = ""
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):
@@ -372,7 +375,8 @@ class Draining(msgspec.Struct, tag="draining", frozen=True):
 Message = (WorkerReady | Heartbeat | KVEvents | PeerInfo | EncodeRequest | EncodeDone | ReserveKV | KVReserved
            | PrefillRequest | KVReady | PrefillDone | GenerateRequest | TokenOutput | SynthesizeRequest | AudioChunk
            | RequestFailed | Abort | PeerGone | KVWriterDone | KVWriterFenced | ReleaseEmbeddings | StatsRequest
-           | WorkerStats | Shutdown | Registered | RegistrationRefused | RouterPing | Draining)
+           | WorkerStats | Shutdown | Registered | RegistrationRefused | RouterPing | Draining | PrefixPin
+           | PrefixPinned | PrefixUnpin)
 
 
 _encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)

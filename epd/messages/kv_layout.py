@@ -59,6 +59,13 @@ class KVLayout(msgspec.Struct, frozen=True):
     kv_agents: str = "rank0"
     ranks: list[RankKV] = []
 
+    def same_blocks(self, other: KVLayout | None) -> bool:
+        """Whether a block moves between this layout and ``other`` byte for byte, block to
+        block: both TP 1, and the same layers, block size, KV heads, row length and dtype."""
+        return (other is not None and self.tp == 1 and other.tp == 1
+                and (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+                == (other.num_layers, other.block_size, other.num_kv_heads, other.head_dim, other.dtype))
+
     @property
     def block_bytes(self) -> int:
         elem = torch.tensor([], dtype=_KV_DTYPES[self.dtype]).element_size()

@@ -11,15 +11,18 @@ __all__ = ["count_hits_by_tier", "record_engine_stats"]
 def count_hits_by_tier(worker, stats: dict[str, float]) -> None:
     """``epd_prefix_cache_hits_tokens_total{tier}`` from the engine's running totals: of the
     hit tokens, those loaded from the host tier (``prefix_cache_host_hit_tokens``), of which
-    those its disk tier read back (``prefix_cache_disk_hit_tokens``); the rest were on the
-    device. A tier's count only moves up (a load is counted when it happens, its request's
+    those its disk tier read back (``prefix_cache_disk_hit_tokens``), and those read from
+    another instance's KV cache (``prefix_cache_remote_hit_tokens``, counted when read);
+    the rest were on the device. A tier's count only moves up (a load is counted when it happens, its request's
     hits when the request is admitted, so the device share can lag a heartbeat).
 
     ``worker``: has ``metrics``, ``labels`` and ``_counted`` (totals already counted)."""
     total = stats.get("prefix_cache_hit_tokens", 0)
     host = stats.get("prefix_cache_host_hit_tokens", 0)
     disk = stats.get("prefix_cache_disk_hit_tokens", 0)
-    for tier, value in (("device", total - host), ("host", host - disk), ("disk", disk)):
+    remote = stats.get("prefix_cache_remote_hit_tokens", 0)
+    for tier, value in (("device", total - host - remote), ("host", host - disk), ("disk", disk),
+                        ("remote", remote)):
         key = f"prefix_cache_hits_tokens/{tier}"
         seen = worker._counted.get(key, 0.0)
         if value > seen:
@@ -49,3 +52,12 @@ def record_engine_stats(worker, stats: dict[str, float]) -> None:
             worker.count_total(f"kv_disk_{name}_blocks", stats[f"kv_disk_{name}_blocks"])
         worker.count_total("kv_disk_write_errors", stats["kv_disk_write_errors"])
         m.kv_disk_cache_usage_ratio.labels(**labels).set(stats["kv_disk_used_blocks"] / stats["kv_disk_blocks"])
+    if "remote_prefix_read_blocks" in stats:  # a prefill worker's remote prefix reads
+        for outcome in ("ok", "fallback", "aborted"):
+            key = f"remote_prefix_reads/{outcome}"
+            value, seen = stats[f"remote_prefix_reads_{outcome}"], worker._counted.get(key)
+            if seen is None or value > seen:
+                m.remote_prefix_reads.labels(**labels, outcome=outcome).inc(value - (seen or 0))
+                worker._counted[key] = value
+        worker.count_total("remote_prefix_read_bytes", stats["remote_prefix_read_bytes"])
+        m.kv_pinned_blocks.labels(**labels).set(stats["num_pinned_blocks"])

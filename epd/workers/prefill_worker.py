@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -9,11 +10,25 @@ from dataclasses import dataclass
 import msgspec
 
 from epd.errors import InvalidRequestError
-from epd.messages import Message, PrefillDone, PrefillRequest, RequestFailed, TokenLogprob
+from epd.messages import (
+    Message,
+    MessageError,
+    PrefillDone,
+    PrefillRequest,
+    PrefixPin,
+    PrefixPinned,
+    PrefixUnpin,
+    RequestFailed,
+    TokenLogprob,
+    decode,
+)
 from epd.roles import Role
 from epd.transfer.kv_connector import KVSend
 from epd.transfer.kv_sender import NixlKVSender
+from epd.transfer.remote_prefix import PrefixPins, RemotePrefixReader
 from epd.workers.engine_worker import EngineWorker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -36,6 +51,11 @@ class PrefillWorker(EngineWorker):
     then notifies the decode worker (``KVReady``) — never before: decode never runs
     on partial KV — and this worker tells the router (``PrefillDone``). A write that
     fails or passes ``kv_timeout_s`` is reported as a retryable ``kv_transfer`` failure.
+
+    Remote prefix reads (``epd.transfer.remote_prefix``): a request naming a
+    ``prefix_holder`` first reads the prefix blocks that other prefill instance holds
+    (``prefix_reader``), and this worker pins its own blocks for other instances' reads
+    (``prefix_pins``).
     """
 
     role = Role.PREFILL
@@ -48,6 +68,10 @@ class PrefillWorker(EngineWorker):
         self.engine.kv_connector = self.kv
         self.prompts: dict[str, _Prompt] = {}
         self.waiting_staging: deque[tuple[PrefillRequest, float]] = deque()  # staged KV, no staging room yet
+        bm = self.engine.block_manager
+        self.prefix_reader = RemotePrefixReader(self.transport, bm, self.kv_layout, self.peers, self.instance_id,
+                                                args.kv_timeout_s)
+        self.prefix_pins = PrefixPins(self.transport, bm, self.instance_id)
         self.announce(self.regions, self.kv_layout)
 
     def handle_role(self, msg: Message, arrival: float | None = None) -> None:
@@ -58,9 +82,28 @@ class PrefillWorker(EngineWorker):
             if not self.kv.add(msg, arrival):
                 self.waiting_staging.append((msg, arrival))
                 return
+            if msg.prefix_holder and self.prefix_reader.start(msg, arrival):
+                return  # admitted once its prefix was read (poll)
             self.fetch_then_admit(msg, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
         except Exception as e:  # every failure is reported, saying who failed
             self.admit_failed(msg, e)
+
+    def _read_notifs(self) -> None:
+        """Serve the NIXL notifications of remote prefix reads (other instances' pins of our
+        blocks, and the answers to ours); others (e.g. a peer's ``KVWriterFenced``) are not ours."""
+        for peer, raws in self.transport.get_notifs().items():
+            for raw in raws:
+                try:
+                    msg = decode(raw)
+                except MessageError as e:
+                    logger.warning("prefill %s: bad notification from %s: %s", self.instance_id, peer, e)
+                    continue
+                if isinstance(msg, PrefixPin):
+                    self.prefix_pins.on_pin(peer, msg)
+                elif isinstance(msg, PrefixUnpin):
+                    self.prefix_pins.on_unpin(peer, msg)
+                elif isinstance(msg, PrefixPinned):
+                    self.prefix_reader.on_pinned(peer, msg)
 
     def admit(self, msg: PrefillRequest, embeddings: list) -> None:
         # The first token only; decode continues. The copy keeps num_prior_output_tokens: a
@@ -99,6 +142,12 @@ class PrefillWorker(EngineWorker):
 
     def poll(self) -> None:
         super().poll()
+        self._read_notifs()
+        for msg, _ in self.prefix_reader.poll():
+            try:
+                self.fetch_then_admit(msg, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
+            except Exception as e:  # every failure is reported, saying who failed
+                self.admit_failed(msg, e)
         while self.waiting_staging and self.kv.has_room(self.waiting_staging[0][0]):
             msg, arrival = self.waiting_staging.popleft()
             self.handle_role(msg, arrival)
@@ -131,6 +180,7 @@ class PrefillWorker(EngineWorker):
         # Between steps: no write of this request is in flight once its transfers are released.
         self.engine.abort_request(request_id)
         self.fetcher.abort(request_id)
+        self.prefix_reader.abort(request_id)
         self.prompts.pop(request_id, None)
         if not self.kv.abort(request_id):
             for msg, _ in [w for w in self.waiting_staging if w[0].request_id == request_id]:
@@ -138,8 +188,13 @@ class PrefillWorker(EngineWorker):
         self.waiting_staging = deque(w for w in self.waiting_staging if w[0].request_id != request_id)
 
     def in_flight(self) -> set[str]:
-        return (super().in_flight() | set(self.prompts) | set(self.kv.sends)
+        return (super().in_flight() | set(self.prompts) | set(self.kv.sends) | self.prefix_reader.in_flight()
                 | {m.request_id for m, _ in self.waiting_staging})
+
+    def peer_gone(self, instance_id: str, pid: int) -> None:
+        """A holder's reads fall back to prefill; a reader's pins end."""
+        self.prefix_reader.holder_gone(instance_id)
+        self.prefix_pins.reader_gone(instance_id, pid)
 
     def router_lost(self) -> None:
         """Abort everything, then tell every decode peer that nothing the old router
@@ -149,4 +204,5 @@ class PrefillWorker(EngineWorker):
         self.kv.fence_all()
 
     def stats(self) -> dict[str, float]:
-        return {**super().stats(), **self.kv.stats(), "num_waiting_staging": len(self.waiting_staging)}
+        return {**super().stats(), **self.kv.stats(), **self.prefix_reader.stats(), **self.prefix_pins.stats(),
+                "num_waiting_staging": len(self.waiting_staging)}

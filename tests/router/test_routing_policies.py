@@ -98,7 +98,7 @@ SYSTEM = list(range(1, 41))  # 10 blocks
 
 def test_kv_policy_sends_a_shared_prefix_to_the_instance_that_caches_it():
     index = KVIndex()
-    kv = KVAwarePrefill(index)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
     p0, p1 = worker("prefill-0"), worker("prefill-1")
     cache(index, p1, SYSTEM + [90, 91, 92, 93])
     req = request(SYSTEM + [7, 8, 9])  # 11 blocks, the first 10 cached on p1
@@ -112,7 +112,7 @@ def test_kv_policy_sends_a_shared_prefix_to_the_instance_that_caches_it():
 
 def test_kv_policy_weighs_open_blocks_against_the_overlap():
     index = KVIndex(prediction_ttl_s=0)  # reported blocks only: routing decisions predict nothing here
-    kv = KVAwarePrefill(index, overlap_weight=1.0)
+    kv = KVAwarePrefill(index, overlap_weight=1.0, remote_reads=False)
     p0, p1 = worker("prefill-0"), worker("prefill-1")
     cache(index, p1, SYSTEM + [0])
     # Route three long unrelated prompts to p1 (they stay open: the router counts them in inflight).
@@ -124,7 +124,7 @@ def test_kv_policy_weighs_open_blocks_against_the_overlap():
     req = request(SYSTEM + [7])  # 11 blocks, 10 cached on p1: cost p1 = 1 + 30 > p0 = 11 + 0
     assert kv.select([p0, p1], req) is p0
     # With a heavier overlap weight the cached prefix wins again: p1 = 4 x 1 + 30 < p0 = 4 x 11.
-    kv3 = KVAwarePrefill(index, overlap_weight=4.0)
+    kv3 = KVAwarePrefill(index, overlap_weight=4.0, remote_reads=False)
     kv3._open = {"prefill-1": kv._open["prefill-1"]}
     assert kv3.select([p0, p1], req) is p1
     # Requests that finished (inflight back down) no longer count as load.
@@ -135,7 +135,7 @@ def test_kv_policy_weighs_open_blocks_against_the_overlap():
 
 def test_kv_policy_predicts_a_routed_prefix_until_the_report_arrives():
     index = KVIndex(prediction_ttl_s=5.0)
-    kv = KVAwarePrefill(index)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
     p0, p1 = worker("prefill-0"), worker("prefill-1")
     first = kv.select([p0, p1], request(SYSTEM + [1]))
     # Before any report: the same prefix follows the first request (predicted overlap 10 blocks).
@@ -155,7 +155,7 @@ def test_kv_policy_predicts_a_routed_prefix_until_the_report_arrives():
 
 def test_kv_policy_ignores_the_cache_of_a_restarted_worker():
     index = KVIndex(prediction_ttl_s=0)
-    kv = KVAwarePrefill(index)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
     p0, p1 = worker("prefill-0"), worker("prefill-1", pid=11)
     cache(index, p1, SYSTEM + [0])
     assert kv.select([p0, p1], request(SYSTEM + [1])) is p1
@@ -166,7 +166,7 @@ def test_kv_policy_ignores_the_cache_of_a_restarted_worker():
 
 def test_kv_policy_hashes_media_items_like_the_engine():
     index = KVIndex()
-    kv = KVAwarePrefill(index)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
     _p0, p1 = worker("prefill-0"), worker("prefill-1")
     tokens = SYSTEM + [5] * 8
     ph_a = [Placeholder(8, 8, "a" * 64)]
@@ -305,7 +305,7 @@ def test_kv_policy_weighs_a_tier_hit_by_what_loading_it_costs():
     from epd.router.policies import TIER_BLOCK_COST
 
     index = KVIndex(prediction_ttl_s=0)
-    kv = KVAwarePrefill(index)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
     p0, p1, p2 = worker("prefill-0"), worker("prefill-1"), worker("prefill-2")
     chain = request_block_hashes(SYSTEM + [1], BS)
     assert index.apply(KVEvents("prefill-0", p0.info.pid, stored_host=chain), p0.info.pid)

@@ -17,7 +17,8 @@ from tests.serving.conftest import Server
 
 #: worker counters that are 0 on an idle worker (absent counters count as 0)
 BUSY_KEYS = ("num_reserved", "num_held", "num_held_requests", "num_quarantined", "num_running", "num_waiting",
-             "num_sending", "num_waiting_staging")
+             "num_sending", "num_waiting_staging", "num_remote_prefix_reads", "num_pinned_blocks",
+             "num_remote_prefix_draining_blocks")
 
 
 def post(server: Server, path: str, body: dict, timeout: float = 300) -> httpx.Response:
