@@ -44,11 +44,13 @@ import numpy as np
 from epd.block_hash import iter_block_hashes
 from epd.messages import (
     KVLayout,
+    MessageError,
     PeerInfo,
     PrefillRequest,
     PrefixPin,
     PrefixPinned,
     PrefixUnpin,
+    decode,
     encode,
 )
 from epd.messages.kv_notifs import MAX_PREFIX_PIN_BLOCKS
@@ -57,7 +59,7 @@ from epd.transfer.regions import block_regions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrefixPins", "RemotePrefixReader"]
+__all__ = ["PrefixPins", "RemotePrefixReader", "serve_notifications"]
 
 #: share of a holder's KV cache that remote reads may pin at once
 MAX_PINNED_SHARE = 0.5
@@ -289,3 +291,22 @@ class PrefixPins:
 
     def stats(self) -> dict[str, float]:
         return {"num_pinned_blocks": self.num_pinned_blocks, "remote_prefix_served_blocks": self.num_served_blocks}
+
+
+def serve_notifications(transport: NixlTransport, reader: RemotePrefixReader, pins: PrefixPins) -> None:
+    """Hand this worker's NIXL notifications to the two sides: other instances' pins and
+    unpins of our blocks to ``pins``, the answers to our reads to ``reader``. Others
+    (e.g. a peer prefill worker's ``KVWriterFenced``, sent to every peer) are not theirs."""
+    for peer, raws in transport.get_notifs().items():
+        for raw in raws:
+            try:
+                msg = decode(raw)
+            except MessageError as e:
+                logger.warning("%s: bad notification from %s: %s", transport.name, peer, e)
+                continue
+            if isinstance(msg, PrefixPin):
+                pins.on_pin(peer, msg)
+            elif isinstance(msg, PrefixUnpin):
+                pins.on_unpin(peer, msg)
+            elif isinstance(msg, PrefixPinned):
+                reader.on_pinned(peer, msg)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -10,25 +9,12 @@ from dataclasses import dataclass
 import msgspec
 
 from epd.errors import InvalidRequestError
-from epd.messages import (
-    Message,
-    MessageError,
-    PrefillDone,
-    PrefillRequest,
-    PrefixPin,
-    PrefixPinned,
-    PrefixUnpin,
-    RequestFailed,
-    TokenLogprob,
-    decode,
-)
+from epd.messages import Message, PrefillDone, PrefillRequest, RequestFailed, TokenLogprob
 from epd.roles import Role
 from epd.transfer.kv_connector import KVSend
 from epd.transfer.kv_sender import NixlKVSender
-from epd.transfer.remote_prefix import PrefixPins, RemotePrefixReader
+from epd.transfer.remote_prefix import PrefixPins, RemotePrefixReader, serve_notifications
 from epd.workers.engine_worker import EngineWorker
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -88,23 +74,6 @@ class PrefillWorker(EngineWorker):
         except Exception as e:  # every failure is reported, saying who failed
             self.admit_failed(msg, e)
 
-    def _read_notifs(self) -> None:
-        """Serve the NIXL notifications of remote prefix reads (other instances' pins of our
-        blocks, and the answers to ours); others (e.g. a peer's ``KVWriterFenced``) are not ours."""
-        for peer, raws in self.transport.get_notifs().items():
-            for raw in raws:
-                try:
-                    msg = decode(raw)
-                except MessageError as e:
-                    logger.warning("prefill %s: bad notification from %s: %s", self.instance_id, peer, e)
-                    continue
-                if isinstance(msg, PrefixPin):
-                    self.prefix_pins.on_pin(peer, msg)
-                elif isinstance(msg, PrefixUnpin):
-                    self.prefix_pins.on_unpin(peer, msg)
-                elif isinstance(msg, PrefixPinned):
-                    self.prefix_reader.on_pinned(peer, msg)
-
     def admit(self, msg: PrefillRequest, embeddings: list) -> None:
         # The first token only; decode continues. The copy keeps num_prior_output_tokens: a
         # migrated request's penalties and seeded generator see its earlier output here too.
@@ -142,7 +111,7 @@ class PrefillWorker(EngineWorker):
 
     def poll(self) -> None:
         super().poll()
-        self._read_notifs()
+        serve_notifications(self.transport, self.prefix_reader, self.prefix_pins)
         for msg, _ in self.prefix_reader.poll():
             try:
                 self.fetch_then_admit(msg, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))

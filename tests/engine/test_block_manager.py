@@ -367,3 +367,29 @@ def test_reset_prefix_cache_forgets_hits():
     bm.reset_prefix_cache()
     assert bm.cached_blocks == {}
     assert bm.get_computed_blocks(make_seq(range(9))) == []
+
+
+def test_pinned_blocks_survive_eviction_and_come_back_cached():
+    """Remote prefix reads: ``pin`` holds cached blocks against eviction until ``release``;
+    ``allocate_blocks`` / ``commit_remote`` cache read blocks (a hash cached meanwhile wins)."""
+    from epd.block_hash import iter_block_hashes
+
+    bm = BlockManager(num_blocks=6, block_size=4)
+    s = Sequence("a", list(range(12)), SamplingParams())
+    assert bm.allocate_slots(s, 12)
+    s.num_computed_tokens = 12
+    bm.cache_full_blocks(s)
+    bm.free(s)
+    hashes = list(iter_block_hashes(list(range(12)), 4, [], 3))
+    pinned = bm.pin(hashes[:2] + [b"x" * 16] + hashes[2:])  # stops at the first hash it lacks
+    assert pinned == [bm.cached_blocks[h] for h in hashes[:2]] and bm.num_free_blocks == 4
+    assert bm.allocate_blocks(5) is None and bm.num_free_blocks == 4  # nothing taken
+    taken = bm.allocate_blocks(4)  # evicts everything but the pinned blocks
+    assert hashes[2] not in bm.cached_blocks and all(h in bm.cached_blocks for h in hashes[:2])
+    bm.release(pinned)
+    assert bm.num_free_blocks == 2 and all(h in bm.cached_blocks for h in hashes[:2])
+    bm.commit_remote(taken[:2], [hashes[0], hashes[2]])  # hashes[0] is still cached in its own block
+    assert bm.cached_blocks[hashes[0]] == pinned[0] and bm.cached_blocks[hashes[2]] == taken[1]
+    assert bm.blocks[taken[0]].block_hash is None and bm.prefix_cache_remote_hits == 4
+    bm.release(taken[2:])
+    assert bm.num_free_blocks == 6

@@ -26,6 +26,7 @@ from epd.router.policies import (
     NoInstanceError,
     RoundRobin,
     build_policy,
+    prefix_holder,
 )
 from epd.router.registry import WorkerHandle
 from epd.router.router import Router, RouterRequest
@@ -98,7 +99,7 @@ SYSTEM = list(range(1, 41))  # 10 blocks
 
 def test_kv_policy_sends_a_shared_prefix_to_the_instance_that_caches_it():
     index = KVIndex()
-    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (local cost; remote reads: below)
     p0, p1 = worker("prefill-0"), worker("prefill-1")
     cache(index, p1, SYSTEM + [90, 91, 92, 93])
     req = request(SYSTEM + [7, 8, 9])  # 11 blocks, the first 10 cached on p1
@@ -135,7 +136,7 @@ def test_kv_policy_weighs_open_blocks_against_the_overlap():
 
 def test_kv_policy_predicts_a_routed_prefix_until_the_report_arrives():
     index = KVIndex(prediction_ttl_s=5.0)
-    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (local cost; remote reads: below)
     p0, p1 = worker("prefill-0"), worker("prefill-1")
     first = kv.select([p0, p1], request(SYSTEM + [1]))
     # Before any report: the same prefix follows the first request (predicted overlap 10 blocks).
@@ -155,7 +156,7 @@ def test_kv_policy_predicts_a_routed_prefix_until_the_report_arrives():
 
 def test_kv_policy_ignores_the_cache_of_a_restarted_worker():
     index = KVIndex(prediction_ttl_s=0)
-    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (local cost; remote reads: below)
     p0, p1 = worker("prefill-0"), worker("prefill-1", pid=11)
     cache(index, p1, SYSTEM + [0])
     assert kv.select([p0, p1], request(SYSTEM + [1])) is p1
@@ -166,7 +167,7 @@ def test_kv_policy_ignores_the_cache_of_a_restarted_worker():
 
 def test_kv_policy_hashes_media_items_like_the_engine():
     index = KVIndex()
-    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (local cost; remote reads: below)
     _p0, p1 = worker("prefill-0"), worker("prefill-1")
     tokens = SYSTEM + [5] * 8
     ph_a = [Placeholder(8, 8, "a" * 64)]
@@ -176,6 +177,58 @@ def test_kv_policy_hashes_media_items_like_the_engine():
     other_image = RouterRequest("r", tokens, SamplingParams(), [], [Placeholder(8, 8, "b" * 64)])
     assert kv.costs([p1], same_image)["prefill-1"][2] == len(chain)
     assert kv.costs([p1], other_image)["prefill-1"][2] == 2  # only the blocks before the image match
+
+
+def test_prefix_holder_is_the_instance_whose_kv_cache_holds_more_of_the_prompt():
+    index = KVIndex(prediction_ttl_s=0)
+    p0, p1, p2 = worker("prefill-0"), worker("prefill-1"), worker("prefill-2")
+    cache(index, p0, SYSTEM + [0])  # 10 blocks
+    cache(index, p2, SYSTEM[:24])  # 6 of them
+    chain = request_block_hashes(SYSTEM + [7], BS)
+    assert prefix_holder(index, chain, p1, [p0, p1, p2]) == ("prefill-0", 10)
+    assert prefix_holder(index, chain, p2, [p0, p1, p2]) == ("prefill-0", 4)  # it holds 6 itself
+    assert prefix_holder(index, chain, p0, [p0, p1, p2]) == ("", 0)  # none holds more than p0
+    cache(index, p1, SYSTEM[:28])  # 7 blocks: 3 more is below REMOTE_READ_MIN_BLOCKS
+    assert prefix_holder(index, chain, p1, [p0, p1, p2]) == ("", 0)
+    # a block only in the holder's host tier is not read remotely (the holder would load it first)
+    index.apply(KVEvents("prefill-0", p0.info.pid, [], [], stored_host=chain[:1]), p0.info.pid)
+    assert prefix_holder(index, chain, p2, [p0, p1, p2]) == ("", 0)
+
+
+def test_prefix_holder_needs_blocks_that_move_as_they_are():
+    index = KVIndex(prediction_ttl_s=0)
+    p0 = worker("prefill-0")
+    cache(index, p0, SYSTEM + [0])
+    chain = request_block_hashes(SYSTEM + [7], BS)
+    tp2 = WorkerHandle(WorkerReady("prefill", "prefill-1", 1001, "tcp://127.0.0.1:1", b"", [],
+                                   KVLayout(2, 64, BS, 1, 16, "float32", [], [], tp=2)), None)  # type: ignore[arg-type]
+    other_dtype = WorkerHandle(WorkerReady("prefill", "prefill-2", 1002, "tcp://127.0.0.1:1", b"", [],
+                                           KVLayout(2, 64, BS, 2, 16, "bfloat16", [], [])), None)  # type: ignore
+    assert prefix_holder(index, chain, tp2, [p0, tp2]) == ("", 0)
+    assert prefix_holder(index, chain, other_dtype, [p0, other_dtype]) == ("", 0)
+
+
+def test_kv_policy_counts_a_prefix_held_elsewhere_as_read_not_prefilled():
+    """A busy holder's prefix still lowers the other instances' cost: with remote reads
+    the request goes to the idle instance, which reads the 10 blocks from the holder."""
+    from epd.router.policies import REMOTE_BLOCK_COST
+
+    index = KVIndex(prediction_ttl_s=0)
+    p0, p1 = worker("prefill-0"), worker("prefill-1")
+    cache(index, p0, SYSTEM + [0])
+    req = request(SYSTEM + [7])  # 11 blocks, 10 cached on p0
+    for remote_reads, want in ((False, p0), (True, p1)):
+        kv = KVAwarePrefill(index, remote_reads=remote_reads)
+        for i in range(2):  # 2 requests of 4 blocks open on p0: its cost 1 + 8 < 11, but > 1 + 10 x 0.01
+            kv.select([p0], request([2000 + i] * 16))
+            p0.inflight += 1
+        costs = kv.costs([p0, p1], req)
+        assert costs["prefill-0"] == (9.0, 11, 10)
+        assert costs["prefill-1"] == ((1 + 10 * REMOTE_BLOCK_COST, 11, 10) if remote_reads else (11.0, 11, 0))
+        assert kv.select([p0, p1], req) is want
+        p0.inflight = 0
+    assert build_policy("prefill", "kv", index, remote_prefix_reads=False).remote_reads is False
+    assert build_policy("pd", "kv", index).remote_reads is False  # a pd pool reads no prefixes
 
 
 def test_kv_overlap_weight_must_not_be_negative():
@@ -305,7 +358,7 @@ def test_kv_policy_weighs_a_tier_hit_by_what_loading_it_costs():
     from epd.router.policies import TIER_BLOCK_COST
 
     index = KVIndex(prediction_ttl_s=0)
-    kv = KVAwarePrefill(index, remote_reads=False)  # (the local cost: remote reads below)
+    kv = KVAwarePrefill(index, remote_reads=False)  # (local cost; remote reads: below)
     p0, p1, p2 = worker("prefill-0"), worker("prefill-1"), worker("prefill-2")
     chain = request_block_hashes(SYSTEM + [1], BS)
     assert index.apply(KVEvents("prefill-0", p0.info.pid, stored_host=chain), p0.info.pid)
