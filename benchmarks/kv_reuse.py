@@ -1,6 +1,8 @@
-"""Decode-side KV reuse and the host tier on the Mooncake conversation trace: KV bytes
-moved P -> D per request, prefix hit shares and TTFT, with decode-side reuse off
-(``--no-decode-kv-reuse``), on, and on with a host tier (``--kv-host-cache-gb 1``).
+"""The KV-cache-centric pool on the Mooncake conversation trace: KV bytes moved P -> D
+per request, prefix hit shares and TTFT, with the pool off (``--no-decode-kv-reuse
+--no-remote-prefix-reads``), with decode-side reuse, with a host tier
+(``--kv-host-cache-gb 1``), a disk tier under a smaller one, and everything on
+(remote prefix reads between the two prefill instances too).
 
 The runs replay the same rows of ``../shared/traces/mooncake_conversation_trace.jsonl``:
 whole conversations, in order of their first turn, each turn at most 8,000 tokens
@@ -9,15 +11,17 @@ whole conversations, in order of their first turn, each turn at most 8,000 token
 on ``p:2,d:1`` with the
 embedded SmolLM2-135M-Instruct and a small KV cache (``KV_GB`` per worker, so the replay
 evicts), one request at a time (``--max-concurrency 1``, so TTFT is each request's own,
-not queueing). The trace's theoretical share is the share of the
+not queueing), or with ``--rate R`` as a Poisson stream of R requests/s (the same rate for
+every mode: TTFT then includes the queueing that reuse removes). The trace's theoretical share is the share of the
 replayed rows' prompt blocks whose hash id an earlier replayed row already had (an
 unbounded cache). Bytes come from the servers' ``epd_kv_transfer_bytes_total`` and
 ``epd_kv_transfer_saved_bytes_total``; hit shares from the workers' prefix-cache stats.
 
-    python benchmarks/kv_reuse.py [--rows 40] [--quick]
+    python benchmarks/kv_reuse.py [--rows 40] [--quick] [--rate R] [--modes off,all]
 
 Prints a table; writes ``benchmarks/results/kv_reuse.json`` and ``.png`` (``_quick``
-with ``--quick``); ``--report FILE.json`` rebuilds both from a saved run.
+with ``--quick``, ``_rate<R>`` with ``--rate``); ``--report FILE.json`` rebuilds both
+from a saved run.
 """
 
 from __future__ import annotations
@@ -41,11 +45,14 @@ TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 POOLS = "p:2,d:1"
 #: KV cache per worker, GiB: small enough that the replay evicts (what the host tier is for)
 KV_GB = "0.15"
-MODES = {"off": ("--no-decode-kv-reuse",), "decode-reuse": (),
-         "decode-reuse+host": ("--kv-host-cache-gb", "1"),
+_NO_REMOTE = ("--no-remote-prefix-reads",)
+MODES = {"off": ("--no-decode-kv-reuse", *_NO_REMOTE), "decode-reuse": _NO_REMOTE,
+         "decode-reuse+host": ("--kv-host-cache-gb", "1", *_NO_REMOTE),
          # a host tier a quarter that size over a disk tier (one anonymous file per worker in /var/tmp)
          "decode-reuse+host+disk": ("--kv-host-cache-gb", "0.25", "--kv-disk-cache-dir", "/var/tmp",
-                                    "--kv-disk-cache-gb", "1")}
+                                    "--kv-disk-cache-gb", "1", *_NO_REMOTE),
+         # decode-side reuse, the host tier and remote prefix reads between the prefill instances
+         "all": ("--kv-host-cache-gb", "1")}
 
 
 #: longest turn (input + output tokens, before scaling) of a replayed conversation
@@ -105,6 +112,7 @@ def worker_stats(url: str) -> dict[str, float]:
             "prefill_host_hit_tokens": sum(s.get("prefix_cache_host_hit_tokens", 0) for s in pre),
             "decode_host_hit_tokens": dec.get("prefix_cache_host_hit_tokens", 0),
             "disk_hit_tokens": sum(s.get("prefix_cache_disk_hit_tokens", 0) for s in (*pre, dec)),
+            "remote_hit_tokens": sum(s.get("prefix_cache_remote_hit_tokens", 0) for s in pre),
             "decode_query_tokens": dec.get("prefix_cache_query_tokens", 0),
             "decode_hit_tokens": dec.get("prefix_cache_hit_tokens", 0),
             "decode_reused_blocks": dec.get("kv_reused_blocks", 0)}
@@ -118,14 +126,15 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
-def run_mode(mode: str, rows: int, out_dir: Path, seed: int) -> dict:
+def run_mode(mode: str, rows: int, out_dir: Path, seed: int, rate: float | None = None) -> dict:
     log = out_dir / f"kv_reuse_{mode}.log"
     with serve_epd(None, POOLS, "0,1", 1, log, extra=("--kv-cache-memory-gb", KV_GB, *MODES[mode])) as url:
         max_len = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
         replayed, scale = scale_trace(conversation_rows(rows), int(max_len * 0.9), SCALE)
         opts = WorkloadOptions(trace_path=TRACE, trace_rows=replayed, trace_block_tokens=block_tokens(scale))
         rows = len(replayed)
-        cfg = BenchConfig(url, workload="trace", rates=[math.inf], num_requests=rows, max_concurrency=1,
+        cfg = BenchConfig(url, workload="trace", rates=[rate or math.inf], num_requests=rows,
+                          max_concurrency=None if rate else 1,
                           options=opts, seed=seed, progress=False, ttft_slo_s=2.0, tpot_slo_s=0.1)
         c0, w0 = counters(url), worker_stats(url)
         res = asyncio.run(run_bench(cfg))
@@ -140,6 +149,7 @@ def run_mode(mode: str, rows: int, out_dir: Path, seed: int) -> dict:
             "host_hit_share": _share(w["prefill_host_hit_tokens"] + w["decode_host_hit_tokens"],
                                      w["prefill_query_tokens"] + w["decode_query_tokens"]),
             "disk_hit_share": _share(w["disk_hit_tokens"], w["prefill_query_tokens"] + w["decode_query_tokens"]),
+            "remote_hit_share": _share(w.get("remote_hit_tokens", 0), w["prefill_query_tokens"]),
             "kv_bytes_per_request": c["epd_kv_transfer_bytes_total"] / n_ok,
             "kv_saved_bytes_per_request": c["epd_kv_transfer_saved_bytes_total"] / n_ok,
             "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"],
@@ -149,14 +159,15 @@ def run_mode(mode: str, rows: int, out_dir: Path, seed: int) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = ["| mode | trace share | prefill hit share | decode hit share | host-tier share | of which disk "
-             "| KV MB P->D / req | saved MB / req | TTFT p50 ms | TTFT p99 ms | goodput req/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | trace share | prefill hit share | of which remote | decode hit share | host-tier share "
+             "| of which disk | KV MB P->D / req | saved MB / req | TTFT p50 ms | TTFT p99 ms | goodput req/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for mode in MODES:
         r = results.get(mode)
         if r is None:
             continue
         lines.append(f"| {mode} | {r['theoretical_share']:.1%} | {r['prefill_hit_share']:.1%} | "
+                     f"{r.get('remote_hit_share', 0.0):.1%} | "
                      f"{r['decode_hit_share']:.1%} | {r['host_hit_share']:.1%} | "
                      f"{r.get('disk_hit_share', 0.0):.1%} | "
                      f"{r['kv_bytes_per_request'] / 1e6:.2f} | "
@@ -207,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=40, help="trace rows replayed (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="smoke run: 8 rows")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=None,
+                   help="Poisson arrivals at this many requests/s (default: one request at a time)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default: all of them)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--report", type=Path, default=None, help="only rebuild the table and plot from this results JSON")
     args = p.parse_args(argv)
@@ -220,12 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
             "pools": POOLS, "rows": rows, "trace": TRACE.name, "load_avg": {"start": load_avg()}}
     results = {}
-    for mode in MODES:
-        print(f"== decode-side reuse {mode}", flush=True)
-        results[mode] = run_mode(mode, rows, args.out_dir, args.seed)
+    meta["rate"] = args.rate
+    for mode in args.modes.split(","):
+        print(f"== KV pool {mode}", flush=True)
+        results[mode] = run_mode(mode, rows, args.out_dir, args.seed, args.rate)
         meta["load_avg"][mode] = load_avg()
     print(table(results))
-    out = args.out_dir / ("kv_reuse_quick.json" if args.quick else "kv_reuse.json")
+    out = args.out_dir / (f"kv_reuse{'_quick' if args.quick else ''}{f'_rate{args.rate:g}' if args.rate else ''}"
+                          ".json")
     out.write_text(json.dumps({"bench": meta, "results": results}, indent=1, default=str))
     print(f"results: {out}; plot: {plot(results, out.with_suffix('.png'))}")
     return 0

@@ -139,11 +139,12 @@ def tier_load_blocks(index: KVIndex, chain: list[bytes], instance_id: str, overl
 
 #: what reading one block from another prefill instance's KV cache over NIXL costs, as a
 #: share of prefilling it (``epd.transfer.remote_prefix``), and the fewest blocks worth a
-#: read: below that, the pin round trip (two NIXL notifications, each served between the
-#: holder's steps) costs more than the prefill it saves. Measured by
-#: ``benchmarks/kv_tier_costs.py`` (SmolLM2-135M bf16, 16-token blocks, 2 CPU cores): see
-#: benchmarks/README.md.
-REMOTE_BLOCK_COST = 0.01
+#: read. Measured by ``benchmarks/kv_tier_costs.py`` (SmolLM2-135M bf16, 16-token blocks,
+#: 2 CPU cores, two agents on one host): a 16-block READ takes 0.40 ms per block (0.021 of
+#: its prefill), rounded up; the pin round trip itself is 0.04 ms, but the holder answers
+#: between its engine steps, so a read waits for the holder's current step: below 4 blocks
+#: that wait can cost more than the prefill it saves.
+REMOTE_BLOCK_COST = 0.025
 REMOTE_READ_MIN_BLOCKS = 4
 
 

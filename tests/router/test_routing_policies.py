@@ -219,7 +219,7 @@ def test_kv_policy_counts_a_prefix_held_elsewhere_as_read_not_prefilled():
     req = request(SYSTEM + [7])  # 11 blocks, 10 cached on p0
     for remote_reads, want in ((False, p0), (True, p1)):
         kv = KVAwarePrefill(index, remote_reads=remote_reads)
-        for i in range(2):  # 2 requests of 4 blocks open on p0: its cost 1 + 8 < 11, but > 1 + 10 x 0.01
+        for i in range(2):  # 2 requests of 4 blocks open on p0: its cost 1 + 8 < 11, but > 1 + 10 x 0.025
             kv.select([p0], request([2000 + i] * 16))
             p0.inflight += 1
         costs = kv.costs([p0, p1], req)
