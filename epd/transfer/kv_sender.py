@@ -41,7 +41,14 @@ class NixlKVSender(KVSender):
             ``NixlKVRunner`` (``epd.transfer.kv_runner``): staged sends are then planned for every rank
             (``epd.transfer.rank_agent``), each rank writing its own heads, and polled
             on every rank before ``KVReady``.
+
+    ``between_layers``: when set, called after each layer of every step (at most every
+    ``BETWEEN_LAYERS_S``): the worker serves NIXL notifications that must not wait for
+    a long prefill step (remote prefix pins, ``epd.transfer.remote_prefix``).
     """
+
+    #: least seconds between two ``between_layers`` calls within a step
+    BETWEEN_LAYERS_S = 0.002
 
     def __init__(self, transport: NixlTransport, layout: KVLayout, peers: dict[str, PeerInfo],
                  staging: StagingPool | None, tp: int, instance_id: str, *,
@@ -52,6 +59,8 @@ class NixlKVSender(KVSender):
         self.runner = runner if layout.kv_agents == "per-rank" else None
         self._free_blocks, self._fenced = free_blocks, fenced
         self.sends: dict[str, KVSend] = {}
+        self.between_layers: Callable[[], None] | None = None
+        self._between_at = 0.0
         # dropped sends whose released writes NIXL has not terminated yet: request id ->
         # (decode instance, generation, their transfers, monotonic time of the drop). Their
         # KVWriterDone waits for the last to terminate; one that never does keeps the
@@ -131,7 +140,7 @@ class NixlKVSender(KVSender):
         plans = [(send, s.seq.block_table[send.dst_first_block:send.dst_first_block + len(send.dst_block_ids)])
                  for s in sched.scheduled if s.sample and (send := self.sends.get(s.seq.request_id)) is not None]
         if not plans:
-            return None
+            return StepKV(self._between) if self.between_layers is not None else None
         packs = [(send.staging_block, src) for send, src in plans if send.staging_block >= 0]
         if self.runner is not None and packs:
             packs = self._plan_ranks([(send, src) for send, src in plans if send.staging_block >= 0], now)
@@ -140,8 +149,15 @@ class NixlKVSender(KVSender):
         def hook(layer: int) -> None:
             for send, src in plans:
                 self._write_layer(send, src, layer)
+            self._between(layer)
 
-        return StepKV(hook if plans else None, packs)
+        return StepKV(hook if plans or self.between_layers is not None else None, packs)
+
+    def _between(self, layer: int) -> None:
+        now = time.monotonic()
+        if self.between_layers is not None and now - self._between_at >= self.BETWEEN_LAYERS_S:
+            self._between_at = now
+            self.between_layers()
 
     def _plan_ranks(self, staged: list[tuple[KVSend, list[int]]], now: float) -> list[tuple[int, list[int]]]:
         """Per-rank agents: give every rank this step's writes of ``staged``; returns

@@ -19,6 +19,12 @@ notifications (``epd.messages.kv_notifs``):
    completed, caches them under their hashes (``BlockManager.commit_remote``), unpins
    (``PrefixUnpin``) and admits the request: its prefix lookup hits them.
 
+The holder serves these notifications between two layers of its current engine step
+too (``NixlKVSender.between_layers``), so a busy holder answers within a layer's
+compute, not after its step: pinning a block takes no block the step uses (its blocks
+were allocated before the forward; a block is hashed only once computed). The reader
+only queues answers there, and handles them between steps.
+
 Safety: a pinned block is never evicted or reused, so it is never read stale; pins end
 only with the reader's ``PrefixUnpin`` or the reader's process gone (``PeerGone``). A
 read that fails, passes ``timeout_s``, or whose holder dies falls back to prefilling
@@ -97,6 +103,7 @@ class RemotePrefixReader:
         self.transport, self.bm, self.layout, self.peers = transport, block_manager, layout, peers
         self.instance_id, self.timeout_s = instance_id, timeout_s
         self.reads: dict[str, _Read] = {}
+        self._answers: list[tuple[str, PrefixPinned]] = []  # holders' answers not handled yet
         self.draining: list[tuple[Transfer, list[int]]] = []  # given up reads still in flight, and their blocks
         self.num_reads = {"ok": 0, "fallback": 0, "aborted": 0}  # ended reads, by outcome
         self.num_read_blocks = 0
@@ -130,7 +137,12 @@ class RemotePrefixReader:
         return True
 
     def on_pinned(self, sender: str, msg: PrefixPinned) -> None:
-        """The holder's answer: read the pinned blocks into free blocks of ours."""
+        """The holder's answer, kept for the next ``poll`` (this may run inside an engine
+        step, between two layers: nothing is allocated here)."""
+        self._answers.append((sender, msg))
+
+    def _answer(self, sender: str, msg: PrefixPinned) -> None:
+        """Read the pinned blocks into free blocks of ours."""
         read = self.reads.get(msg.request_id)
         if (read is None or read.generation != msg.generation or read.holder != sender or read.ended
                 or read.transfer is not None):
@@ -169,6 +181,9 @@ class RemotePrefixReader:
     def poll(self) -> list[tuple[PrefillRequest, float]]:
         """Requests whose read ended (their prefix cached here, or falling back to prefill),
         to admit now, with their arrival times."""
+        answers, self._answers = self._answers, []
+        for sender, msg in answers:
+            self._answer(sender, msg)
         now = time.monotonic()
         for t, blocks in [d for d in self.draining if d[0].terminated]:
             self.draining.remove((t, blocks))

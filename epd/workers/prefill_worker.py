@@ -58,6 +58,7 @@ class PrefillWorker(EngineWorker):
         self.prefix_reader = RemotePrefixReader(self.transport, bm, self.kv_layout, self.peers, self.instance_id,
                                                 args.kv_timeout_s)
         self.prefix_pins = PrefixPins(self.transport, bm, self.instance_id)
+        self.kv.between_layers = self._serve_prefix_notifs  # a busy holder answers within a layer
         self.announce(self.regions, self.kv_layout)
 
     def handle_role(self, msg: Message, arrival: float | None = None) -> None:
@@ -73,6 +74,9 @@ class PrefillWorker(EngineWorker):
             self.fetch_then_admit(msg, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
         except Exception as e:  # every failure is reported, saying who failed
             self.admit_failed(msg, e)
+
+    def _serve_prefix_notifs(self) -> None:
+        serve_notifications(self.transport, self.prefix_reader, self.prefix_pins)
 
     def admit(self, msg: PrefillRequest, embeddings: list) -> None:
         # The first token only; decode continues. The copy keeps num_prior_output_tokens: a
@@ -111,7 +115,7 @@ class PrefillWorker(EngineWorker):
 
     def poll(self) -> None:
         super().poll()
-        serve_notifications(self.transport, self.prefix_reader, self.prefix_pins)
+        self._serve_prefix_notifs()
         for msg, _ in self.prefix_reader.poll():
             try:
                 self.fetch_then_admit(msg, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
