@@ -16,10 +16,8 @@ from epd.messages import (
     KVWriterDone,
     KVWriterFenced,
     Message,
-    MessageError,
     RequestFailed,
     ReserveKV,
-    decode,
 )
 from epd.outputs import RequestOutput
 from epd.transfer.kv_connector import KVReceiver
@@ -162,17 +160,11 @@ class NixlKVReceiver(KVReceiver):
         if self.pending:
             self._reserve_pending(replies)
         finished: list[RequestOutput] = []
-        for peer, notifs in self.transport.get_notifs().items():
-            for raw in notifs:
-                try:
-                    msg = decode(raw)
-                except MessageError as e:
-                    logger.warning("decode %s: bad notification from %s: %s", self.instance_id, peer, e)
-                    continue
-                if isinstance(msg, KVWriterFenced):
-                    self._fenced_by(peer)
-                elif isinstance(msg, (KVReady, KVWriterDone)) and (out := self._notification(msg, peer)) is not None:
-                    finished.append(out)
+        for peer, msg in self.transport.messages():
+            if isinstance(msg, KVWriterFenced):
+                self._fenced_by(peer)
+            elif isinstance(msg, (KVReady, KVWriterDone)) and (out := self._notification(msg, peer)) is not None:
+                finished.append(out)
         return replies, finished
 
     def abort(self, request_id: str, kv_writer: str = "", kv_writer_pid: int = 0) -> None:

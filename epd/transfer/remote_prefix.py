@@ -50,13 +50,11 @@ import numpy as np
 from epd.block_hash import iter_block_hashes
 from epd.messages import (
     KVLayout,
-    MessageError,
     PeerInfo,
     PrefillRequest,
     PrefixPin,
     PrefixPinned,
     PrefixUnpin,
-    decode,
     encode,
 )
 from epd.messages.kv_notifs import MAX_PREFIX_PIN_BLOCKS
@@ -312,16 +310,10 @@ def serve_notifications(transport: NixlTransport, reader: RemotePrefixReader, pi
     """Hand this worker's NIXL notifications to the two sides: other instances' pins and
     unpins of our blocks to ``pins``, the answers to our reads to ``reader``. Others
     (e.g. a peer prefill worker's ``KVWriterFenced``, sent to every peer) are not theirs."""
-    for peer, raws in transport.get_notifs().items():
-        for raw in raws:
-            try:
-                msg = decode(raw)
-            except MessageError as e:
-                logger.warning("%s: bad notification from %s: %s", transport.name, peer, e)
-                continue
-            if isinstance(msg, PrefixPin):
-                pins.on_pin(peer, msg)
-            elif isinstance(msg, PrefixUnpin):
-                pins.on_unpin(peer, msg)
-            elif isinstance(msg, PrefixPinned):
-                reader.on_pinned(peer, msg)
+    for peer, msg in transport.messages():
+        if isinstance(msg, PrefixPin):
+            pins.on_pin(peer, msg)
+        elif isinstance(msg, PrefixUnpin):
+            pins.on_unpin(peer, msg)
+        elif isinstance(msg, PrefixPinned):
+            reader.on_pinned(peer, msg)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig
 
 from epd.encoders.encoder_runner import EncoderRunner
-from epd.messages import EmbeddingRef, EncodeDone, EncodeRequest, Message, MessageError, ReleaseEmbeddings, decode
+from epd.messages import EmbeddingRef, EncodeDone, EncodeRequest, Message, ReleaseEmbeddings
 from epd.models.checkpoints import resolve_model
 from epd.roles import Role
 from epd.workers.base import BaseWorker
@@ -84,14 +84,9 @@ class EncodeWorker(BaseWorker):
         self.send(EncodeDone(rid, self.instance_id, refs, encode_s=time.monotonic() - t0))
 
     def poll(self) -> None:
-        for _peer, notifs in self.transport.get_notifs().items():
-            for raw in notifs:
-                try:
-                    msg = decode(raw)
-                except MessageError:
-                    continue
-                if isinstance(msg, ReleaseEmbeddings):
-                    self.buffer.free(msg.request_id)
+        for _peer, msg in self.transport.messages():
+            if isinstance(msg, ReleaseEmbeddings):
+                self.buffer.free(msg.request_id)
         for owner in self.buffer.expire(self.args.embedding_ttl_s):
             logger.info("encode %s: embeddings of ended request %s reclaimed", self.instance_id, owner)
 

@@ -79,7 +79,10 @@ def _run_shared_prompts(server) -> tuple[list[str], str]:
 
 def test_kv_routing_hits_the_prefix_cache_and_media_affinity_hits_the_encoder_cache(llava_dir):
     common = ("--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(NUM_KV_BLOCKS))
-    with launch(llava_dir, "p:2,d:1", *common, "--prefill-routing", "round-robin") as server:
+    # the baseline: round-robin without reading prefixes from the other instance (remote
+    # prefix reads would recover most of what round-robin loses: tests/serving/test_prefix_read_serving.py)
+    with launch(llava_dir, "p:2,d:1", *common, "--prefill-routing", "round-robin", "--no-remote-prefix-reads"
+                ) as server:
         rr_answers, rr_metrics = _run_shared_prompts(server)
     with launch(llava_dir, "e:2,p:2,d:1", *common) as server:  # defaults: kv, free-kv, media-affinity
         kv_answers, kv_metrics = _run_shared_prompts(server)

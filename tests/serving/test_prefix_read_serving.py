@@ -8,6 +8,7 @@ flight with the hold seam, ``EPD_INJECT_HOLD_TRANSFERS``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,21 @@ def _wait_stat(server, inst: str, key: str, want: float, timeout_s: float = 60.0
     return stats
 
 
+def _launch_held(path: str, tmp_path: Path):
+    """p:2,d:1 whose workers' transfers are held while ``tmp_path/hold-<instance>`` exists."""
+    return _launch(path, env={"EPD_INJECT_HOLD_TRANSFERS": str(tmp_path / "hold-{agent}")})
+
+
+def _first_turn_then_hold(server, hold: Path) -> dict:
+    """Run the first turn (on prefill-0), then hold ``hold``'s worker's transfers; returns
+    the workers' stats before the hold."""
+    complete(server, FIRST, ANSWER)
+    _first_turn_reported(server)
+    before = server.workers()
+    hold.touch()
+    return before
+
+
 def test_holder_killed_mid_read_falls_back_to_prefill(tiny_model_dirs, ref, tmp_path):
     """The read stays in flight (held) while the holder is killed: the reader gives it up,
     prefills the whole prompt and answers exactly; the read's blocks come back once it
@@ -110,15 +126,9 @@ def test_holder_killed_mid_read_falls_back_to_prefill(tiny_model_dirs, ref, tmp_
     second = _second_turn(ref)
     want = ref.texts([second], ANSWER)[0]
     hold = tmp_path / "hold-prefill-1"
-    with _launch(tiny_model_dirs["llama"], env={"EPD_INJECT_HOLD_TRANSFERS": str(tmp_path / "hold-{agent}")}
-                 ) as server:
-        complete(server, FIRST, ANSWER)
-        _first_turn_reported(server)
-        before = server.workers()
-        hold.touch()
+    with _launch_held(tiny_model_dirs["llama"], tmp_path) as server:
+        before = _first_turn_then_hold(server, hold)
         result: dict = {}
-        import threading
-
         t = threading.Thread(target=lambda: result.update(complete(server, second, ANSWER)))
         t.start()
         _wait_for(Path(str(hold) + ".held"))  # the read is posted, and stuck
@@ -136,12 +146,8 @@ def test_holder_killed_mid_read_falls_back_to_prefill(tiny_model_dirs, ref, tmp_
 def test_client_gone_mid_read_unpins_and_frees_every_block(tiny_model_dirs, ref, tmp_path):
     second = _second_turn(ref)
     hold = tmp_path / "hold-prefill-1"
-    with _launch(tiny_model_dirs["llama"], env={"EPD_INJECT_HOLD_TRANSFERS": str(tmp_path / "hold-{agent}")}
-                 ) as server:
-        complete(server, FIRST, ANSWER)
-        _first_turn_reported(server)
-        before = server.workers()
-        hold.touch()
+    with _launch_held(tiny_model_dirs["llama"], tmp_path) as server:
+        before = _first_turn_then_hold(server, hold)
         dropped = start_and_drop(server, second, after_s=3.0)
         _wait_for(Path(str(hold) + ".held"))
         assert server.workers()["prefill-0"]["num_pinned_blocks"] == 10
