@@ -296,7 +296,7 @@ class Pipeline:
                                   decode_staging_block=reserved.staging_block,
                                   decode_generation=reserved.generation,
                                   decode_num_cached_blocks=reserved.num_cached_blocks,
-                                  prefix_holder=self.prefix_holder(p, req)))
+                                  **self.prefix_holder(p, req)))
             early: list[TokenOutput] = []
             done = await self.mailbox.expect(rid, (PrefillDone,), self.stage_timeout_s, "prefill", stash=early,
                                              watch=(p, d))
@@ -310,14 +310,16 @@ class Pipeline:
             p.inflight -= 1
         return done, early
 
-    def prefix_holder(self, p: WorkerHandle, req) -> str:
-        """The prefill instance ``p`` should read ``req``'s prefix blocks from (remote
-        prefix reads, ``epd.router.policies.prefix_holder``); "" for none."""
+    def prefix_holder(self, p: WorkerHandle, req) -> dict:
+        """The ``PrefillRequest`` fields naming the prefill instance ``p`` should read
+        ``req``'s prefix blocks from (remote prefix reads, ``epd.router.policies.prefix_holder``)
+        and how many it holds; {} for none."""
         layout = p.info.kv_layout
         if not self.remote_prefix_reads or p.role != Role.PREFILL or layout is None or not req.prompt_token_ids:
-            return ""
+            return {}
         chain = request_block_hashes(req.prompt_token_ids, layout.block_size, req.placeholders)
-        return prefix_holder(self.kv_index, chain, p, self.registry.routable(Role.PREFILL))[0]
+        holder, held, _ = prefix_holder(self.kv_index, chain, p, self.registry.routable(Role.PREFILL))
+        return {"prefix_holder": holder, "prefix_holder_blocks": held} if holder else {}
 
     async def stream(self, rid: str, first_timeout_s: float, num_cached_tokens: int = 0,
                      watch: tuple[WorkerHandle, ...] = ()) -> AsyncIterator[TokenEvent]:

@@ -149,24 +149,25 @@ REMOTE_READ_MIN_BLOCKS = 4
 
 
 def prefix_holder(index: KVIndex, chain: list[bytes], w: WorkerHandle, workers: list[WorkerHandle]
-                  ) -> tuple[str, int]:
+                  ) -> tuple[str, int, int]:
     """The instance of ``workers`` (not ``w``) whose KV cache holds the most leading
     blocks of ``chain`` (reported), with blocks moving to ``w`` as they are
-    (``KVLayout.same_blocks``), and how many more than ``w`` holds anywhere (reported or
-    predicted); ("", 0) when none holds ``REMOTE_READ_MIN_BLOCKS`` more."""
+    (``KVLayout.same_blocks``): (its id, the leading blocks it holds, how many more than
+    ``w`` holds anywhere, reported or predicted); ("", 0, 0) when none holds
+    ``REMOTE_READ_MIN_BLOCKS`` more."""
     layout = w.info.kv_layout
     if layout is None or not chain:
-        return "", 0
+        return "", 0, 0
     mine = index.overlap(chain, [w.instance_id])[w.instance_id]
-    best, extra = "", 0
+    best, held = "", 0
     for h in sorted(workers, key=lambda x: x.instance_id):
         if h is w or not layout.same_blocks(h.info.kv_layout):
             continue
         index.sync_pid(h.instance_id, h.info.pid)
-        more = index.device_overlap(chain, h.instance_id) - mine
-        if more > extra:
-            best, extra = h.instance_id, more
-    return (best, extra) if extra >= REMOTE_READ_MIN_BLOCKS else ("", 0)
+        n = index.device_overlap(chain, h.instance_id)
+        if n > held:
+            best, held = h.instance_id, n
+    return (best, held, held - mine) if held - mine >= REMOTE_READ_MIN_BLOCKS else ("", 0, 0)
 
 
 class KVAwarePrefill(RoutingPolicy):
@@ -233,7 +234,7 @@ class KVAwarePrefill(RoutingPolicy):
                 overlap = self.index.overlap(chains[bs], [w.instance_id])[w.instance_id]
             load = tier_load_blocks(self.index, chains[bs], w.instance_id, overlap) if bs else 0.0
             if bs and self.remote_reads:
-                remote = prefix_holder(self.index, chains[bs], w, workers)[1]
+                remote = prefix_holder(self.index, chains[bs], w, workers)[2]
                 load += remote * REMOTE_BLOCK_COST
                 overlap += remote
             out[w.instance_id] = (self.overlap_weight * (total - overlap + load) + self.open_blocks(w), total, overlap)

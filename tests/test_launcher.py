@@ -89,9 +89,12 @@ def test_disk_tier_is_refused_without_its_size_or_the_host_tier(tmp_path):
     for kwargs in ({"kv_disk_cache_dir": str(tmp_path), "kv_disk_cache_gb": 1.0},  # no host tier
                    {"kv_host_cache_gb": 1.0, "kv_disk_cache_dir": str(tmp_path)},  # no size
                    {"kv_host_cache_gb": 1.0, "kv_disk_cache_gb": 1.0},  # no directory
-                   {"kv_host_cache_gb": 1.0, "kv_disk_cache_dir": str(tmp_path), "kv_disk_cache_gb": float("nan")}):
+                   {"kv_host_cache_gb": 1.0, "kv_disk_cache_dir": str(tmp_path), "kv_disk_cache_gb": float("nan")},
+                   {"kv_host_cache_gb": 1.0, "kv_disk_cache_dir": str(tmp_path), "kv_disk_cache_gb": -1.0}):
         with pytest.raises(LaunchSpecError, match="disk tier needs --kv-disk-cache-dir"):
             LaunchConfig(**kwargs)
+    with pytest.raises(LaunchSpecError, match="--kv-disk-cache-dir .*: no such directory"):  # before any worker starts
+        LaunchConfig(kv_host_cache_gb=1.0, kv_disk_cache_dir=str(tmp_path / "missing"), kv_disk_cache_gb=1.0)
     args = LaunchConfig(kv_host_cache_gb=1.0, kv_disk_cache_dir=str(tmp_path), kv_disk_cache_gb=2.0)
     forwarded = args.forwarded_worker_args()
     assert forwarded[forwarded.index("--kv-disk-cache-dir") + 1] == str(tmp_path)

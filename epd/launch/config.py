@@ -15,6 +15,7 @@ refuse the flag.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 
 from epd.launch.spec import LaunchSpecError, parse_pools, parse_tp
@@ -218,12 +219,15 @@ class LaunchConfig:
         if self.kv_host_cache_gb is not None and not 0 <= self.kv_host_cache_gb < float("inf"):  # also nan
             raise LaunchSpecError(f"kv_host_cache_gb must be a finite number >= 0 (GiB of host memory per worker "
                                   f"for evicted prefix-cache blocks; 0: none), got {self.kv_host_cache_gb}")
-        if (self.kv_disk_cache_dir or self.kv_disk_cache_gb) and not (
-                self.kv_disk_cache_dir and self.kv_disk_cache_gb and self.kv_disk_cache_gb < float("inf")
-                and self.kv_host_cache_gb):
-            raise LaunchSpecError("the prefix cache's disk tier needs --kv-disk-cache-dir, a finite "
-                                  "--kv-disk-cache-gb > 0 and the host tier above it (--kv-host-cache-gb), got "
-                                  f"{self.kv_disk_cache_dir!r}, {self.kv_disk_cache_gb}, {self.kv_host_cache_gb}")
+        if self.kv_disk_cache_dir is not None or self.kv_disk_cache_gb is not None:
+            gb = self.kv_disk_cache_gb
+            if not (self.kv_disk_cache_dir and gb is not None and 0 < gb < float("inf") and self.kv_host_cache_gb):
+                raise LaunchSpecError("the prefix cache's disk tier needs --kv-disk-cache-dir, a finite "
+                                      "--kv-disk-cache-gb > 0 and the host tier above it (--kv-host-cache-gb > 0); "
+                                      f"got --kv-disk-cache-dir {self.kv_disk_cache_dir}, --kv-disk-cache-gb {gb}, "
+                                      f"--kv-host-cache-gb {self.kv_host_cache_gb}")
+            if not os.path.isdir(self.kv_disk_cache_dir):
+                raise LaunchSpecError(f"--kv-disk-cache-dir {self.kv_disk_cache_dir}: no such directory")
         if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < float("inf"):  # also nan
             raise LaunchSpecError(f"kv_cache_memory_gb must be a finite number > 0 (GiB of KV cache per worker "
                                   f"rank), got {self.kv_cache_memory_gb}")

@@ -216,6 +216,7 @@ class PrefillRequest(msgspec.Struct, tag="prefill", frozen=True):
     # another prefill instance whose KV cache holds more of the prompt's prefix, per the
     # router's KV index: read those blocks from it over NIXL first ("": none)
     prefix_holder: str = ""
+    prefix_holder_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0  # leading blocks it holds, per that index
 
 
 class PrefillDone(msgspec.Struct, tag="prefill_done", frozen=True):

@@ -25,6 +25,11 @@ compute, not after its step: pinning a block takes no block the step uses (its b
 were allocated before the forward; a block is hashed only once computed). The reader
 only queues answers there, and handles them between steps.
 
+Requests that need the same blocks from the same holder while a read of them is in
+flight wait for that read (its ``leader``) instead of reading them again. The reader asks
+only for the blocks the router's index says the holder holds
+(``PrefillRequest.prefix_holder_blocks``).
+
 Safety: a pinned block is never evicted or reused, so it is never read stale; pins end
 only with the reader's ``PrefixUnpin`` or the reader's process gone (``PeerGone``). A
 read that fails, passes ``timeout_s``, or whose holder dies falls back to prefilling
@@ -83,6 +88,7 @@ class _Read:
     transfer: Transfer | None = None
     pinned: bool = False  # the holder pinned blocks for it (it is owed a PrefixUnpin)
     ended: bool = False  # done, or given up: its request is admitted at the next poll
+    leader: str = ""  # another request's read of the same blocks, which this one waits for (no read of its own)
 
 
 class RemotePrefixReader:
@@ -120,10 +126,17 @@ class RemotePrefixReader:
         have = 0
         while have < len(chain) and self.bm.tier_of(chain[have]) is not None:
             have += 1
-        hashes = chain[have:have + MAX_PREFIX_PIN_BLOCKS]
+        held = msg.prefix_holder_blocks or len(chain)  # what the router's index says the holder holds
+        hashes = chain[have:min(held, have + MAX_PREFIX_PIN_BLOCKS)]
         if not hashes:
             return False
         read = _Read(msg, arrival, msg.prefix_holder, secrets.randbits(63), hashes, time.monotonic())
+        leader = next((r for r in self.reads.values() if not r.ended and not r.leader and r.holder == read.holder
+                       and r.hashes[0] == hashes[0]), None)
+        if leader is not None:  # the same blocks are on their way: wait for them rather than read them twice
+            read.leader = leader.msg.request_id
+            self.reads[msg.request_id] = read
+            return True
         try:
             self.transport.send_notif(read.holder, encode(PrefixPin(msg.request_id, read.generation, hashes,
                                                                     os.getpid())))
@@ -150,7 +163,8 @@ class RemotePrefixReader:
         read.pinned = bool(msg.block_ids)
         n = len(msg.block_ids)
         if n == 0 or n > len(read.hashes) or len(set(msg.block_ids)) != n:  # none held there any more, or bogus
-            self._end(read, "fallback", f"the holder answered {n} block ids for {len(read.hashes)} hashes" if n else "")
+            self._end(read, "fallback", f"the holder answered {n} block ids for {len(read.hashes)} hashes" if n
+                      else "the holder no longer holds the blocks")
             return
         blocks = self.bm.allocate_blocks(n)
         if blocks is None:
@@ -189,7 +203,12 @@ class RemotePrefixReader:
         ready = []
         for rid, read in list(self.reads.items()):
             try:
-                if read.ended:
+                if read.leader:
+                    leader = self.reads.get(read.leader)
+                    if leader is not None and not leader.ended:
+                        continue  # (a leader ended in this poll was removed above: dicts keep insertion order)
+                    read.ended = True
+                elif read.ended:
                     pass
                 elif read.transfer is not None and read.transfer.poll():
                     self.bm.commit_remote(read.blocks, read.hashes[:len(read.blocks)])
@@ -236,14 +255,14 @@ class RemotePrefixReader:
         read = self.reads.pop(request_id, None)
         if read is None:
             return False
-        if not read.ended:
+        if not read.ended and not read.leader:
             self._end(read, "aborted")
         return True
 
     def holder_gone(self, instance_id: str) -> None:
         """The holder's process exited: its reads fall back to prefill (``poll`` hands them back)."""
         for read in self.reads.values():
-            if read.holder == instance_id and not read.ended:
+            if read.holder == instance_id and not read.ended and not read.leader:
                 read.pinned = False  # nothing is pinned on a dead holder
                 self._end(read, "fallback", "the holder is gone")
 

@@ -185,14 +185,14 @@ def test_prefix_holder_is_the_instance_whose_kv_cache_holds_more_of_the_prompt()
     cache(index, p0, SYSTEM + [0])  # 10 blocks
     cache(index, p2, SYSTEM[:24])  # 6 of them
     chain = request_block_hashes(SYSTEM + [7], BS)
-    assert prefix_holder(index, chain, p1, [p0, p1, p2]) == ("prefill-0", 10)
-    assert prefix_holder(index, chain, p2, [p0, p1, p2]) == ("prefill-0", 4)  # it holds 6 itself
-    assert prefix_holder(index, chain, p0, [p0, p1, p2]) == ("", 0)  # none holds more than p0
+    assert prefix_holder(index, chain, p1, [p0, p1, p2]) == ("prefill-0", 10, 10)
+    assert prefix_holder(index, chain, p2, [p0, p1, p2]) == ("prefill-0", 10, 4)  # it holds 6 itself
+    assert prefix_holder(index, chain, p0, [p0, p1, p2]) == ("", 0, 0)  # none holds more than p0
     cache(index, p1, SYSTEM[:28])  # 7 blocks: 3 more is below REMOTE_READ_MIN_BLOCKS
-    assert prefix_holder(index, chain, p1, [p0, p1, p2]) == ("", 0)
+    assert prefix_holder(index, chain, p1, [p0, p1, p2]) == ("", 0, 0)
     # a block only in the holder's host tier is not read remotely (the holder would load it first)
     index.apply(KVEvents("prefill-0", p0.info.pid, [], [], stored_host=chain[:1]), p0.info.pid)
-    assert prefix_holder(index, chain, p2, [p0, p1, p2]) == ("", 0)
+    assert prefix_holder(index, chain, p2, [p0, p1, p2]) == ("", 0, 0)
 
 
 def test_prefix_holder_needs_blocks_that_move_as_they_are():
@@ -204,8 +204,8 @@ def test_prefix_holder_needs_blocks_that_move_as_they_are():
                                    KVLayout(2, 64, BS, 1, 16, "float32", [], [], tp=2)), None)  # type: ignore[arg-type]
     other_dtype = WorkerHandle(WorkerReady("prefill", "prefill-2", 1002, "tcp://127.0.0.1:1", b"", [],
                                            KVLayout(2, 64, BS, 2, 16, "bfloat16", [], [])), None)  # type: ignore
-    assert prefix_holder(index, chain, tp2, [p0, tp2]) == ("", 0)
-    assert prefix_holder(index, chain, other_dtype, [p0, other_dtype]) == ("", 0)
+    assert prefix_holder(index, chain, tp2, [p0, tp2]) == ("", 0, 0)
+    assert prefix_holder(index, chain, other_dtype, [p0, other_dtype]) == ("", 0, 0)
 
 
 def test_kv_policy_counts_a_prefix_held_elsewhere_as_read_not_prefilled():

@@ -175,3 +175,27 @@ def test_pins_end_when_the_reader_is_gone_and_stay_within_budget(pair):
     holder.pins.reader_gone("reader", 77)
     assert holder.pins.num_pinned_blocks == 0 and holder.bm.num_free_blocks == NB
     assert all(holder.bm.cached_blocks.get(h) is not None for h in chain(6))  # still cached
+
+
+def test_a_second_request_for_the_same_blocks_waits_for_the_first_read(pair):
+    holder, reader = pair
+    holder.compute(PROMPT)
+    assert reader.reader.start(request("r1"), 0.0) and reader.reader.start(request("r2"), 0.0)
+    ready = run(holder, reader, lambda r: len(r) == 2)
+    assert [m.request_id for m, _ in ready] == ["r1", "r2"]
+    assert holder.pins.num_served_blocks == 6  # one pin, one read
+    assert reader.reader.stats()["remote_prefix_reads_ok"] == 1 and reader.bm.prefix_cache_remote_hits == 6 * BS
+    assert reader.reader.start(request("r3"), 0.0) is False  # now it holds them itself
+
+
+def test_reader_asks_only_for_what_the_router_says_the_holder_holds(pair):
+    holder, reader = pair
+    holder.compute(PROMPT)
+    msg = PrefillRequest("r1", PROMPT, SamplingParams(), "decode-0", [], prefix_holder="holder",
+                         prefix_holder_blocks=3)
+    assert reader.reader.start(msg, 0.0)
+    assert reader.reader.reads["r1"].hashes == chain(3)
+    run(holder, reader, lambda r: r)
+    assert reader.reader.stats()["remote_prefix_read_blocks"] == 3
+    reader.compute(PROMPT[:13])  # (it now holds 3 blocks): nothing left to ask for
+    assert not reader.reader.start(msg, 0.0)
