@@ -11,8 +11,9 @@ whole conversations, in order of their first turn, each turn at most 8,000 token
 on ``p:2,d:1`` with the
 embedded SmolLM2-135M-Instruct and a small KV cache (``KV_GB`` per worker, so the replay
 evicts), one request at a time (``--max-concurrency 1``, so TTFT is each request's own,
-not queueing), or with ``--rate R`` as a Poisson stream of R requests/s (the same rate for
-every mode: TTFT then includes the queueing that reuse removes). The trace's theoretical share is the share of the
+not queueing), or with ``--rate R`` at the trace's recorded arrival times rescaled to a
+mean of R requests/s (``epd bench``'s rescaling keeps the trace's bursts; the rows' first
+turns arrive close together). The trace's theoretical share is the share of the
 replayed rows' prompt blocks whose hash id an earlier replayed row already had (an
 unbounded cache). Bytes come from the servers' ``epd_kv_transfer_bytes_total`` and
 ``epd_kv_transfer_saved_bytes_total``; hit shares from the workers' prefix-cache stats.
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: 8 rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate", type=float, default=None,
-                   help="Poisson arrivals at this many requests/s (default: one request at a time)")
+                   help="the trace's arrival times rescaled to this mean rate, requests/s "
+                        "(default: one request at a time)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes (default: all of them)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--report", type=Path, default=None, help="only rebuild the table and plot from this results JSON")
