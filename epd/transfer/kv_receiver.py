@@ -22,6 +22,7 @@ from epd.messages import (
 from epd.outputs import RequestOutput
 from epd.transfer.kv_connector import KVReceiver
 from epd.transfer.nixl_transport import NixlTransport
+from epd.transfer.notifications import decoded_notifs
 from epd.transfer.staging import StagingPool
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class NixlKVReceiver(KVReceiver):
         if self.pending:
             self._reserve_pending(replies)
         finished: list[RequestOutput] = []
-        for peer, msg in self.transport.messages():
+        for peer, msg in decoded_notifs(self.transport):
             if isinstance(msg, KVWriterFenced):
                 self._fenced_by(peer)
             elif isinstance(msg, (KVReady, KVWriterDone)) and (out := self._notification(msg, peer)) is not None:

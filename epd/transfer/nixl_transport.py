@@ -53,13 +53,12 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-from epd.messages import MessageError, Region, decode
+from epd.messages import Region
 from epd.transfer.regions import RegionTable, as_region_array, check_disjoint, coalesce, nixl_descs, tensor_region
 from epd.transfer.transfer_hold import TransferHold
 
@@ -545,16 +544,6 @@ class NixlTransport(TransferHold):
             self._progress()
         except Exception as e:
             raise TransferError(f"agent {self.name!r}: progress failed: {type(e).__name__}: {e}") from e
-
-    def messages(self) -> Iterator[tuple[str, Any]]:
-        """The notifications that arrived (``get_notifs``) decoded as ``epd.messages``
-        structs, as (peer, message); malformed ones are logged and skipped."""
-        for peer, raws in self.get_notifs().items():
-            for raw in raws:
-                try:
-                    yield peer, decode(raw)
-                except MessageError as e:
-                    logger.warning("%s: bad notification from %s: %s", self.name, peer, e)
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         """Post a notification to ``peer``; it leaves as this agent is progressed (see

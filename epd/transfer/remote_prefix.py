@@ -64,6 +64,7 @@ from epd.messages import (
 )
 from epd.messages.kv_notifs import MAX_PREFIX_PIN_BLOCKS
 from epd.transfer.nixl_transport import NixlTransport, Transfer, TransferError
+from epd.transfer.notifications import decoded_notifs
 from epd.transfer.regions import block_regions
 
 logger = logging.getLogger(__name__)
@@ -329,7 +330,7 @@ def serve_notifications(transport: NixlTransport, reader: RemotePrefixReader, pi
     """Hand this worker's NIXL notifications to the two sides: other instances' pins and
     unpins of our blocks to ``pins``, the answers to our reads to ``reader``. Others
     (e.g. a peer prefill worker's ``KVWriterFenced``, sent to every peer) are not theirs."""
-    for peer, msg in transport.messages():
+    for peer, msg in decoded_notifs(transport):
         if isinstance(msg, PrefixPin):
             pins.on_pin(peer, msg)
         elif isinstance(msg, PrefixUnpin):

@@ -13,6 +13,7 @@ from epd.encoders.encoder_runner import EncoderRunner
 from epd.messages import EmbeddingRef, EncodeDone, EncodeRequest, Message, ReleaseEmbeddings
 from epd.models.checkpoints import resolve_model
 from epd.roles import Role
+from epd.transfer.notifications import decoded_notifs
 from epd.workers.base import BaseWorker
 from epd.workers.embedding_buffer import EmbeddingBuffer
 
@@ -84,7 +85,7 @@ class EncodeWorker(BaseWorker):
         self.send(EncodeDone(rid, self.instance_id, refs, encode_s=time.monotonic() - t0))
 
     def poll(self) -> None:
-        for _peer, msg in self.transport.messages():
+        for _peer, msg in decoded_notifs(self.transport):
             if isinstance(msg, ReleaseEmbeddings):
                 self.buffer.free(msg.request_id)
         for owner in self.buffer.expire(self.args.embedding_ttl_s):
