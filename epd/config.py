@@ -113,6 +113,10 @@ class EngineConfig:
         cuda_graph_sizes: decode batch sizes to capture (``epd.engine.cuda_graphs``);
             None: 1, 2, 4 and multiples of 8 up to ``max_num_seqs``.
         seed: seed of the engine-wide generator used by unseeded sampling.
+        speculative_config: vLLM's ``--speculative-config``, a dict or its JSON text, e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``
+            (``epd.engine.spec_decode``); None: no speculative decoding. Parsed into
+            ``speculative`` (a ``SpeculativeConfig``).
 
     Raises:
         ConfigError: for an invalid value.
@@ -141,9 +145,11 @@ class EngineConfig:
     compile: bool = False
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    speculative_config: dict | str | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
     _lm_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
+    speculative: object = field(default=None, init=False, repr=False)  # epd.engine.spec_decode.SpeculativeConfig
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -219,6 +225,15 @@ class EngineConfig:
             raise ConfigError("the disk KV tier (kv_disk_cache_dir) sits under the host tier: set kv_host_cache_gb too")
         if self.kv_disk_cache_dir and not os.path.isdir(self.kv_disk_cache_dir):
             raise ConfigError(f"kv_disk_cache_dir {self.kv_disk_cache_dir!r} is not a directory")
+        from epd.engine.spec_decode import SpeculativeConfig
+
+        try:
+            self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.speculative is not None and self.kv_channel_k:
+            raise ConfigError("speculative decoding needs a KV cache without per-channel int8 K (--kv-cache-dtype "
+                              "auto or fp8, or --block-size below 16)")
 
     def graph_sizes(self) -> list[int]:
         """The decode batch sizes captured as CUDA graphs ([] where none are: on a CPU,

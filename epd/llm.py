@@ -47,7 +47,8 @@ class LLM:
                  kv_disk_cache_dir: str | None = None, kv_disk_cache_gb: float = 0.0,
                  compile: bool = False, enforce_eager: bool = False, quantization: str | None = None,
                  audio_mode: str = "auto", encoder_cache_gb: float = 0.5, video_fps: float = 2.0,
-                 max_video_frames: int = 32, max_video_seconds: float = 600.0) -> None:
+                 max_video_frames: int = 32, max_video_seconds: float = 600.0,
+                 speculative_config: dict | str | None = None) -> None:
         path = resolve_model(model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         config = EngineConfig(str(path), tensor_parallel_size=tensor_parallel_size, block_size=block_size,
@@ -59,7 +60,8 @@ class LLM:
                               kv_host_cache_gb=kv_host_cache_gb, kv_disk_cache_dir=kv_disk_cache_dir,
                               kv_disk_cache_gb=kv_disk_cache_gb,
                               dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device, seed=seed, compile=compile,
-                              enforce_eager=enforce_eager, quantization=quantization)
+                              enforce_eager=enforce_eager, quantization=quantization,
+                              speculative_config=speculative_config)
         self.engine = LLMEngine(config, self.tokenizer)
         self._ids = itertools.count()
         # The engine is driven by one thread at a time; concurrent generate() calls

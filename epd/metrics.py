@@ -96,6 +96,10 @@ KV_DISK_LOADED = "epd_kv_disk_loaded_blocks_total"
 KV_DISK_EVICTED = "epd_kv_disk_evicted_blocks_total"
 KV_DISK_WRITE_ERRORS = "epd_kv_disk_write_errors_total"
 KV_DISK_USAGE = "epd_kv_disk_cache_usage_ratio"
+SPEC_DRAFTS = "epd_spec_decode_num_drafts_total"
+SPEC_DRAFT_TOKENS = "epd_spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED = "epd_spec_decode_num_accepted_tokens_total"
+SPEC_ACCEPTED_POS = "epd_spec_decode_num_accepted_tokens_per_pos_total"
 REMOTE_PREFIX_READS = "epd_kv_remote_prefix_reads_total"
 REMOTE_PREFIX_READ_BYTES = "epd_kv_remote_prefix_read_bytes_total"
 KV_PINNED_BLOCKS = "epd_kv_pinned_blocks"
@@ -174,6 +178,12 @@ class Metrics:
             timed out, its holder died or no longer held them, and the prompt was prefilled;
             aborted: the request ended first).
         remote_prefix_read_bytes: KV bytes those reads moved.
+        spec_decode_num_drafts / spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens:
+            speculative decoding (``--speculative-config``): verifications of drafts, draft
+            tokens proposed, and of those accepted (vLLM's names); the acceptance rate is
+            accepted / draft tokens, the mean accepted length 1 + accepted / drafts.
+        spec_decode_num_accepted_tokens_per_pos: accepted drafts by their position in the
+            draft (third label ``position``, 0-based).
         kv_host_offloaded_blocks: evicted prefix-cache blocks copied to the host tier.
         kv_host_loaded_blocks: host-tier blocks copied back for a prefix hit.
         kv_host_evicted_blocks: host-tier blocks dropped (least recently used) for newer
@@ -266,6 +276,10 @@ class Metrics:
     prefix_cache_hits_tokens: object
     remote_prefix_reads: object
     remote_prefix_read_bytes: object
+    spec_decode_num_drafts: object
+    spec_decode_num_draft_tokens: object
+    spec_decode_num_accepted_tokens: object
+    spec_decode_num_accepted_tokens_per_pos: object
     kv_host_offloaded_blocks: object
     kv_host_loaded_blocks: object
     kv_host_evicted_blocks: object
@@ -351,6 +365,9 @@ _COUNTERS = {
                              "miss)"),
     "remote_prefix_read_bytes": (_family(REMOTE_PREFIX_READ_BYTES), "KV bytes read from other prefill instances' "
                                  "KV caches (remote prefix reads)"),
+    "spec_decode_num_drafts": (_family(SPEC_DRAFTS), "Speculative decoding: verifications of draft tokens"),
+    "spec_decode_num_draft_tokens": (_family(SPEC_DRAFT_TOKENS), "Speculative decoding: draft tokens proposed"),
+    "spec_decode_num_accepted_tokens": (_family(SPEC_ACCEPTED), "Speculative decoding: draft tokens accepted"),
     "encoder_cache_queries": (_family(ENCODER_QUERIES), "Multimodal items looked up in the encoder cache"),
     "encoder_cache_hits": (_family(ENCODER_HITS), "Multimodal items found in the encoder cache"),
     "encode_video_chunks": (_family(ENCODE_VIDEO_CHUNKS), "Chunks of temporal patches of a video an encode worker was "
@@ -365,6 +382,8 @@ _LABELLED_COUNTERS = {
     "remote_prefix_reads": (_family(REMOTE_PREFIX_READS), "Remote prefix reads of a prefill instance, by outcome "
                             "(ok, fallback, aborted)", ("outcome",)),
     "routing_decisions": (_family(ROUTED), "Requests routed to an instance, by policy", ("policy",)),
+    "spec_decode_num_accepted_tokens_per_pos": (_family(SPEC_ACCEPTED_POS), "Speculative decoding: draft tokens "
+                                                "accepted, by position in the draft", ("position",)),
 }
 # field -> (metric name, help, multiprocess_mode); see Metrics for the choice of mode
 _GAUGES = {

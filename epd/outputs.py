@@ -41,6 +41,7 @@ class RequestOutput:
     """The state of one request after an engine step, or its final result.
 
     ``num_cached_tokens`` counts prompt tokens served from the prefix cache.
+    ``num_new_tokens``: how many of the completion's tokens this step added.
     """
 
     request_id: str
@@ -50,3 +51,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    #: tokens this step added to ``outputs[0].token_ids`` (several with speculative decoding)
+    num_new_tokens: int = 1

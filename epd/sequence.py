@@ -76,6 +76,8 @@ class Sequence:
         self.first_token_time: float | None = None
         # The matcher of a constrained request (``epd.engine.grammar.Grammar``), set by the engine.
         self.grammar = None
+        # draft tokens for the next step (speculative decoding, epd.engine.spec_decode); not in token_ids
+        self.spec_tokens: list[int] = []
         # One TokenLogprobs per sampled output token when params.logprobs is set.
         self.output_logprobs: list = []
         self._mrope: tuple | None = None  # (positions [3, P] int64 numpy, delta), computed on first use

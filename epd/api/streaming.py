@@ -83,12 +83,14 @@ class Choice:
 
     def update(self, ev: TokenEvent) -> None:
         """Apply one router event; sets ``done`` / ``finish_reason`` at the end or at a stop string."""
-        self.num_tokens += len(ev.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, ev.num_cached_tokens)
         self.logprobs.extend(lp for lp, t in zip(ev.logprobs, ev.token_ids) if lp.token_id == t)
-        if self.detok.update(ev.token_ids) is not None:
-            self.finish_reason, self.done = "stop", True
-        elif ev.finished:
+        for t in ev.token_ids:  # one at a time: an event may carry several (speculative decoding)
+            self.num_tokens += 1
+            if self.detok.update([t]) is not None:
+                self.finish_reason, self.done = "stop", True
+                return
+        if ev.finished:
             self.finish_reason, self.done = ev.finish_reason or "stop", True
 
 

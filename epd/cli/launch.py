@@ -49,7 +49,9 @@ def add_parser(sub) -> None:
                                     "blocks its host tier evicts to one anonymous file there",
              "--kv-disk-cache-gb": "GiB of disk per worker for that tier (with --kv-disk-cache-dir)",
              "--no-decode-kv-reuse": "decode workers write every prompt block instead of only those after "
-                                     "their own cached prefix (A/B runs)"}
+                                     "their own cached prefix (A/B runs)",
+             "--speculative-config": "speculative decoding for every worker, vLLM's JSON, e.g. '{\"method\": "
+                                     "\"ngram\", \"num_speculative_tokens\": 4}' (default: off)"}
     for flag, typ in WORKER_ENGINE_FLAGS:
         if typ is bool:
             la.add_argument(flag, action="store_true", default=getattr(d, flag[2:].replace("-", "_")),

@@ -96,6 +96,10 @@ def add_parser(sub) -> None:
     w.add_argument("--cuda-graph-sizes", type=int_list, default=None,
                    help="decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8 (default: 1,2,4 and multiples "
                         "of 8 up to --max-num-seqs; CUDA at TP 1 only)")
+    w.add_argument("--speculative-config", default=None,
+                   help="speculative decoding, as vLLM takes it: a JSON object, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (n-gram prompt lookup; greedy "
+                        "requests without penalties, grammar or logprobs speculate; default: off)")
     w.add_argument("--no-decode-kv-reuse", action="store_true",
                    help="decode: do not look reservations up in this instance's prefix cache, so the prefill "
                         "worker writes every prompt block (default: only the blocks after the cached prefix)")

@@ -58,14 +58,16 @@ class InputBatch:
                 row = self.row_of.pop(seq_id)
                 self._free_rows.append(row)
                 update.freed.append(row)
-        # A one-token chunk attends exactly like a decode token.
-        scheduled = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)
-        n = len(scheduled)
+        # A one-token chunk attends exactly like a decode token; so does each token of a
+        # decode with drafts (ScheduledSeq.spec): one entry per position, all on its row.
+        scheduled = sorted(out.scheduled, key=lambda s: s.num_tokens != 1 and not s.spec)
+        n = sum(s.num_tokens if s.spec else 1 for s in scheduled)
         rows = np.empty(n, dtype=np.int32)
         starts = np.empty(n, dtype=np.int64)
         counts = np.empty(n, dtype=np.int64)
         new_blocks: list[int] = []
-        for k, s in enumerate(scheduled):
+        k = 0
+        for s in scheduled:
             seq = s.seq
             row = self.row_of.get(seq.seq_id)
             if row is None:
@@ -81,7 +83,17 @@ class InputBatch:
                 update.counts.append(len(bt) - sent)
                 new_blocks.extend(bt[sent:])
                 self.sent_blocks[row] = len(bt)
+            if s.spec:  # the drafts go into the row's buffer past its tokens (the next sync overwrites them)
+                end = seq.num_tokens + len(s.spec)
+                if end > self.token_ids.shape[1]:
+                    self._grow(self.token_ids.shape[0], max(end, 2 * self.token_ids.shape[1]))
+                self.token_ids[row, seq.num_tokens:end] = s.spec
+                for i in range(s.num_tokens):
+                    rows[k], starts[k], counts[k] = row, s.start + i, 1
+                    k += 1
+                continue
             rows[k], starts[k], counts[k] = row, s.start, s.num_tokens
+            k += 1
             if s.num_tokens > 1:  # a prefill chunk (a recompute too): its rows never reach the residual
                 self.resid_start[row] = -1
             elif (self.resid_start[row] < 0 and s.start >= seq.num_prompt_tokens
@@ -105,10 +117,13 @@ class InputBatch:
                     mm_rows.append((q + lo - start, hi - lo))
                     mm_parts.append(emb[lo - ph.offset:hi - ph.offset])
             q += num
-            if s.sample:
+            if s.spec:  # logits at every position: the target's token after each
+                logits_indices.extend(range(q - num, q))
+                seq_ids.extend([seq.seq_id] * num)
+            elif s.sample:
                 logits_indices.append(q - 1)
                 seq_ids.append(seq.seq_id)
-        nd = sum(1 for s in scheduled if s.num_tokens == 1)
+        nd = int((counts == 1).sum())
         mrope = b""
         if any(s.seq.mrope() is not None for s in scheduled):  # Qwen-VL media: [3, num_tokens] positions
             mrope = np.concatenate([s.seq.mrope_positions(s.start, s.num_tokens) for s in scheduled],

@@ -20,6 +20,7 @@ from epd.engine.input_batch import InputBatch
 from epd.engine.kv_connector_base import KVConnectorHooks, KVRunnerFactory
 from epd.engine.model_runner import ModelRunner, engine_config_to_json, free_port, rank_device, tp_worker_main
 from epd.engine.scheduler import Scheduler
+from epd.engine.spec_decode import SpecDecoder, accept
 from epd.errors import InvalidRequestError
 from epd.layers.sampler import Sampler, skip_draws, token_logprobs
 from epd.multimodal import Placeholder
@@ -126,6 +127,7 @@ class LLMEngine:
                                    target_step_ms=config.target_step_ms or None)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len)
         self.sampler = Sampler(config.seed)
+        self.spec = SpecDecoder(config.speculative, config.max_model_len) if config.speculative is not None else None
         self.eos_token_ids = eos_token_ids(config.model, tokenizer)
         self.vocab_size = config.text_config.vocab_size
         # Constrained requests: compiled grammars, and one thread that computes the step's
@@ -325,6 +327,8 @@ class LLMEngine:
         """
         t0 = time.perf_counter()
         failed = self._admit_compiled()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         failed += [self._failed(seq) for seq in sched.failed]
         if not sched.scheduled:
@@ -344,7 +348,7 @@ class LLMEngine:
                 self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="epd-grammar")
             masks = self._mask_thread.submit(self.grammars.bitmask, [seqs[j].grammar for j in rows])
         logits = self.runner.execute(step, mm_embeds, hook)
-        sampled: dict[int, int] = {}
+        sampled: dict[int, int | list[int]] = {}
         if seqs:
             tokens = self.sampler(logits, seqs, masks.result() if masks else None, rows)
             sampled = dict(zip(step.seq_ids, tokens))
@@ -353,9 +357,21 @@ class LLMEngine:
             for seq, lp in zip(seqs, token_logprobs(logits, seqs, tokens)):
                 if lp is not None:
                     seq.output_logprobs.append(lp)
+            for s in sched.scheduled:
+                if s.spec:  # (greedy rows: each position's target token)
+                    sampled[s.seq.seq_id] = self._verify(s.seq.seq_id, s.spec, step.seq_ids, tokens)
         changed = self.scheduler.update(sched, sampled)
         self.scheduler.observe(sched, (time.perf_counter() - t0) * 1e3)
-        return failed + [self._process(self._by_seq_id[seq.seq_id]) for seq in changed]
+        num_new = {s.seq.seq_id: len(sampled[s.seq.seq_id]) for s in sched.scheduled if s.spec}
+        return failed + [self._process(self._by_seq_id[seq.seq_id], num_new.get(seq.seq_id, 1)) for seq in changed]
+
+    def _verify(self, seq_id: int, drafts: list[int], seq_ids: list[int], tokens: list[int]) -> list[int]:
+        """The tokens a sequence emits after verifying ``drafts``: its logits rows are the
+        ``1 + len(drafts)`` consecutive ones of ``seq_ids`` naming it (``epd.engine.spec_decode``)."""
+        first = seq_ids.index(seq_id)
+        emitted = accept(drafts, tokens[first:first + len(drafts) + 1])
+        self.spec.record(drafts, emitted)
+        return emitted
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int) -> None:
@@ -371,18 +387,29 @@ class LLMEngine:
         self._by_seq_id.pop(seq.seq_id, None)
         return self._output(req, True)
 
-    def _process(self, req: _Request) -> RequestOutput:
+    def _process(self, req: _Request, num_new: int = 1) -> RequestOutput:
+        """Check the ``num_new`` tokens ``req`` received this step for a stop, in order; a
+        stop among several (speculative decoding) drops the tokens after it."""
         seq = req.seq
-        token = seq.token_ids[-1]
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
-        self._check_stop(req, token)
+        new = seq.token_ids[len(seq.token_ids) - num_new:]
+        del seq.token_ids[len(seq.token_ids) - num_new:]
+        kept = 0
+        for token in new:
+            seq.token_ids.append(token)
+            kept += 1
+            self._check_stop(req, token)
+            if seq.is_finished:
+                break
         finished = seq.is_finished
         if finished:
             self.requests.pop(seq.request_id, None)
             self._by_seq_id.pop(seq.seq_id, None)
-        return self._output(req, finished)
+        out = self._output(req, finished)
+        out.num_new_tokens = kept
+        return out
 
     def _check_stop(self, req: _Request, token: int) -> None:
         seq, params = req.seq, req.seq.params
@@ -507,6 +534,7 @@ class LLMEngine:
             "num_queued_prompt_tokens": sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
                                             for s in (*self.scheduler.waiting, *self.scheduler.running)),
             "num_preemptions": self.scheduler.num_preemptions,
+            **(self.spec.stats() if self.spec is not None else {}),
             "prefix_cache_query_tokens": bm.prefix_cache_queries,
             "prefix_cache_hit_tokens": bm.prefix_cache_hits,
             "prefix_cache_host_hit_tokens": bm.prefix_cache_host_hits,

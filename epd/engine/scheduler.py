@@ -60,16 +60,20 @@ class ScheduledSeq:
     """One sequence's share of a step: tokens ``[start, start + num_tokens)``.
 
     ``sample`` is True when the chunk reaches the end of the sequence, so the
-    step's logits for its last token produce the next token.
+    step's logits for its last token produce the next token. ``spec``: draft tokens
+    verified in this step (speculative decoding, ``epd.engine.spec_decode``): a decode
+    of ``1 + len(spec)`` tokens, its last token and the drafts, whose positions lie past
+    the sequence's tokens.
     """
 
     seq: Sequence
     start: int
     num_tokens: int
+    spec: list[int] = field(default_factory=list)
 
     @property
     def sample(self) -> bool:
-        return self.start + self.num_tokens == self.seq.num_tokens
+        return self.start + self.num_tokens - len(self.spec) == self.seq.num_tokens
 
 
 def can_recompute(seq: Sequence) -> bool:
@@ -204,9 +208,9 @@ class Scheduler:
         """Feed the step-time model one step's wall time in ms (``out``: that step)."""
         if self.target_step_ms is None:
             return
-        decodes = [s for s in out.scheduled if s.num_tokens == 1]
-        chunks = [(s.num_tokens, s.start + s.num_tokens) for s in out.scheduled if s.num_tokens != 1]
-        self.step_time.observe(step_features(len(decodes), sum(s.start + 1 for s in decodes), chunks), step_ms)
+        decodes = [(s.start + i) for s in out.scheduled if s.num_tokens == 1 or s.spec for i in range(s.num_tokens)]
+        chunks = [(s.num_tokens, s.start + s.num_tokens) for s in out.scheduled if s.num_tokens != 1 and not s.spec]
+        self.step_time.observe(step_features(len(decodes), sum(p + 1 for p in decodes), chunks), step_ms)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence]]:
         """Schedule the running sequences in order, preempting for blocks (rules 1-2 of
@@ -220,7 +224,13 @@ class Scheduler:
             if num_new == 0:  # a prompt chunk past this step's prefill cap: next step
                 i += 1
                 continue
-            victim = None
+            spec = seq.spec_tokens[:budget - 1] if remaining == 1 else []
+            if spec and self.block_manager.allocate_slots(seq, 1 + len(spec)):  # with lookahead slots
+                out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, 1 + len(spec), spec))
+                budget -= 1 + len(spec)
+                i += 1
+                continue
+            victim = None  # (no room for drafts: a plain decode; drafts never preempt anyone)
             while not self.block_manager.allocate_slots(seq, num_new):
                 # Sequences before ``i`` are already in this step: never victims.
                 victim = next((s for s in reversed(self.running[i:]) if can_recompute(s)), None)
@@ -283,12 +293,16 @@ class Scheduler:
         self.running.remove(seq)
         out.num_preempted += 1
         self.block_manager.free(seq)
+        seq.spec_tokens = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Apply a step's results. ``sampled``: seq_id -> new token id.
+    def update(self, out: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
+        """Apply a step's results. ``sampled``: seq_id -> new token id, or, for a sequence
+        that verified drafts (``ScheduledSeq.spec``), the tokens it emitted (the accepted
+        drafts and one token of the target's): its computed tokens end after the accepted
+        drafts, so the rejected drafts' KV is never hashed into the prefix cache.
 
         Returns the sequences that received a token this step (finished ones
         included, already removed from ``running`` and freed).
@@ -296,6 +310,14 @@ class Scheduler:
         changed: list[Sequence] = []
         for s in out.scheduled:
             seq = s.seq
+            if s.spec:
+                emitted = sampled[seq.seq_id]
+                seq.token_ids.extend(emitted)
+                seq.num_computed_tokens = s.start + len(emitted)
+                seq.spec_tokens = []
+                self.block_manager.cache_full_blocks(seq)
+                changed.append(seq)
+                continue
             seq.num_computed_tokens = s.start + s.num_tokens
             self.block_manager.cache_full_blocks(seq)
             if not s.sample:

@@ -77,7 +77,7 @@ WORKER_ENGINE_FLAGS = (("--block-size", int), ("--max-num-seqs", int), ("--max-n
                        ("--num-kv-blocks", int), ("--max-model-len", int), ("--dtype", str),
                        ("--kv-cache-dtype", str), ("--quantization", str),
                        ("--compile", bool), ("--enforce-eager", bool), ("--no-decode-kv-reuse", bool),
-                       ("--cuda-graph-sizes", int_list),
+                       ("--cuda-graph-sizes", int_list), ("--speculative-config", str),
                        ("--tts-engine", str))
 
 
@@ -128,6 +128,7 @@ class LaunchConfig:
     enforce_eager: bool | None = None
     no_decode_kv_reuse: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
+    speculative_config: str | None = None  # vLLM's JSON (epd.engine.spec_decode.SpeculativeConfig)
     tts_engine: str | None = None  # the tts pool's synthesizer (epd.tts.load_synthesizer; None: espeak)
     # routing
     encode_routing: str = ROUTING_POLICIES[Role.ENCODE][0]
@@ -228,6 +229,13 @@ class LaunchConfig:
                                       f"--kv-host-cache-gb {self.kv_host_cache_gb}")
             if not os.path.isdir(self.kv_disk_cache_dir):
                 raise LaunchSpecError(f"--kv-disk-cache-dir {self.kv_disk_cache_dir}: no such directory")
+        if self.speculative_config:
+            from epd.engine.spec_decode import SpeculativeConfig
+
+            try:
+                SpeculativeConfig.parse(self.speculative_config)
+            except ValueError as e:
+                raise LaunchSpecError(str(e)) from None
         if self.kv_cache_memory_gb is not None and not 0 < self.kv_cache_memory_gb < float("inf"):  # also nan
             raise LaunchSpecError(f"kv_cache_memory_gb must be a finite number > 0 (GiB of KV cache per worker "
                                   f"rank), got {self.kv_cache_memory_gb}")

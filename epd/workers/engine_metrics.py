@@ -52,6 +52,17 @@ def record_engine_stats(worker, stats: dict[str, float]) -> None:
             worker.count_total(f"kv_disk_{name}_blocks", stats[f"kv_disk_{name}_blocks"])
         worker.count_total("kv_disk_write_errors", stats["kv_disk_write_errors"])
         m.kv_disk_cache_usage_ratio.labels(**labels).set(stats["kv_disk_used_blocks"] / stats["kv_disk_blocks"])
+    if "spec_num_drafts" in stats:  # speculative decoding (--speculative-config)
+        for name in ("drafts", "draft_tokens", "accepted_tokens"):
+            worker.count_total(f"spec_decode_num_{name}", stats[f"spec_num_{name}"])
+        pos = 0
+        while f"spec_num_accepted_tokens_pos{pos}" in stats:
+            key, value = f"spec_pos/{pos}", stats[f"spec_num_accepted_tokens_pos{pos}"]
+            if value > worker._counted.get(key, 0.0):
+                m.spec_decode_num_accepted_tokens_per_pos.labels(**labels, position=str(pos)).inc(
+                    value - worker._counted.get(key, 0.0))
+                worker._counted[key] = value
+            pos += 1
     if "remote_prefix_read_blocks" in stats:  # a prefill worker's remote prefix reads
         for outcome in ("ok", "fallback", "aborted"):
             key = f"remote_prefix_reads/{outcome}"

@@ -191,7 +191,8 @@ class EngineWorker(BaseWorker):
                                         status=400 if grammar else 503))
                 continue
             lps = [TokenLogprob.from_output(comp.logprobs[-1])] if comp.logprobs and comp.token_ids else []
-            self.send(TokenOutput(out.request_id, comp.token_ids[-1:], out.finished, comp.finish_reason,
+            new = comp.token_ids[len(comp.token_ids) - out.num_new_tokens:] if out.num_new_tokens else []
+            self.send(TokenOutput(out.request_id, new, out.finished, comp.finish_reason,
                                   out.num_cached_tokens, lps))
         return outs
 
