@@ -178,9 +178,10 @@ class Metrics:
             timed out, its holder died or no longer held them, and the prompt was prefilled;
             aborted: the request ended first).
         remote_prefix_read_bytes: KV bytes those reads moved.
-        spec_decode_num_drafts / spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens:
-            speculative decoding (``--speculative-config``): verifications of drafts, draft
-            tokens proposed, and of those accepted (vLLM's names); the acceptance rate is
+        spec_decode_num_drafts: speculative decoding (``--speculative-config``):
+            verifications of drafts (vLLM's names, as the next two).
+        spec_decode_num_draft_tokens: draft tokens proposed.
+        spec_decode_num_accepted_tokens: of those, tokens accepted; the acceptance rate is
             accepted / draft tokens, the mean accepted length 1 + accepted / drafts.
         spec_decode_num_accepted_tokens_per_pos: accepted drafts by their position in the
             draft (third label ``position``, 0-based).

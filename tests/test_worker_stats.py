@@ -78,7 +78,8 @@ def test_engine_stats_name_the_prefix_cache_counts_as_tokens():
                          prefix_cache_remote_hits=0,
                          host_tier=None)
     sched = SimpleNamespace(running=[], waiting=[], waiting_for_remote_kv={}, num_preemptions=0)
-    s = LLMEngine.stats(SimpleNamespace(block_manager=bm, scheduler=sched, config=SimpleNamespace(max_model_len=64)))
+    s = LLMEngine.stats(SimpleNamespace(block_manager=bm, scheduler=sched, config=SimpleNamespace(max_model_len=64),
+                                        spec=None))
     assert "prefix_cache_queries" not in s and "prefix_cache_hits" not in s
     assert (s["prefix_cache_query_tokens"], s["prefix_cache_hit_tokens"]) == (40, 16)
     assert s["prefix_cache_host_hit_tokens"] == 8 and "kv_host_blocks" not in s  # no host tier: no kv_host_* counts
