@@ -73,6 +73,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: method {method!r} is not supported; this engine runs "
                              f"\"ngram\" (prompt lookup)")
         k = spec.get("num_speculative_tokens")
+        if k is None:
+            raise ValueError("--speculative-config: num_speculative_tokens is required (drafts per step, e.g. 4)")
         lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo = hi = DEFAULT_LOOKUP

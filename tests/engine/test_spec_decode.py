@@ -70,7 +70,8 @@ def test_speculative_config_is_vllms_and_refuses_what_it_cannot_run():
         SpeculativeConfig("ngram", 2, 4, 4)
     assert SpeculativeConfig.parse(None) is None
     for bad, match in (({"method": "eagle3", "num_speculative_tokens": 2}, "not supported"),
-                       ({"method": "ngram"}, "integers"),
+                       ({"method": "ngram"}, "num_speculative_tokens is required"),
+                       ({"method": "ngram", "num_speculative_tokens": "4"}, "integers"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                          "prompt_lookup_max": 2}, "<= prompt_lookup_max"),
