@@ -394,15 +394,18 @@ class LLMEngine:
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
-        new = seq.token_ids[len(seq.token_ids) - num_new:]
-        del seq.token_ids[len(seq.token_ids) - num_new:]
-        kept = 0
-        for token in new:
-            seq.token_ids.append(token)
-            kept += 1
-            self._check_stop(req, token)
-            if seq.is_finished:
-                break
+        kept = num_new
+        if num_new == 1:
+            self._check_stop(req, seq.token_ids[-1])
+        else:  # re-append one at a time, so each check sees the output as it was at that token
+            new = seq.token_ids[len(seq.token_ids) - num_new:]
+            del seq.token_ids[len(seq.token_ids) - num_new:]
+            for i, token in enumerate(new):
+                seq.token_ids.append(token)
+                self._check_stop(req, token)
+                if seq.is_finished:
+                    kept = i + 1
+                    break
         finished = seq.is_finished
         if finished:
             self.requests.pop(seq.request_id, None)

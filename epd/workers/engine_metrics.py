@@ -5,7 +5,19 @@ totals (``BaseWorker.count_total``)."""
 
 from __future__ import annotations
 
-__all__ = ["count_hits_by_tier", "record_engine_stats"]
+__all__ = ["advance_labelled", "count_hits_by_tier", "record_engine_stats"]
+
+
+def advance_labelled(worker, name: str, total: float, *, create: bool = False, **label: str) -> None:
+    """Advance the labelled counter ``name`` of ``worker.metrics`` (its series ``label``) to
+    a running ``total`` kept elsewhere: only ever up. ``create``: the series exists from the
+    first call, at 0 until the total moves. ``worker``: has ``metrics``, ``labels`` and
+    ``_counted`` (totals already counted, by name and label)."""
+    key = f"{name}/{'/'.join(label.values())}"
+    seen = worker._counted.get(key)
+    if total > (seen or 0.0) or (create and seen is None):
+        getattr(worker.metrics, name).labels(**worker.labels, **label).inc(total - (seen or 0.0))
+        worker._counted[key] = total
 
 
 def count_hits_by_tier(worker, stats: dict[str, float]) -> None:
@@ -23,11 +35,7 @@ def count_hits_by_tier(worker, stats: dict[str, float]) -> None:
     remote = stats.get("prefix_cache_remote_hit_tokens", 0)
     for tier, value in (("device", total - host - remote), ("host", host - disk), ("disk", disk),
                         ("remote", remote)):
-        key = f"prefix_cache_hits_tokens/{tier}"
-        seen = worker._counted.get(key, 0.0)
-        if value > seen:
-            worker.metrics.prefix_cache_hits_tokens.labels(**worker.labels, tier=tier).inc(value - seen)
-            worker._counted[key] = value
+        advance_labelled(worker, "prefix_cache_hits_tokens", value, tier=tier)
 
 
 def record_engine_stats(worker, stats: dict[str, float]) -> None:
@@ -57,18 +65,12 @@ def record_engine_stats(worker, stats: dict[str, float]) -> None:
             worker.count_total(f"spec_decode_num_{name}", stats[f"spec_num_{name}"])
         pos = 0
         while f"spec_num_accepted_tokens_pos{pos}" in stats:
-            key, value = f"spec_pos/{pos}", stats[f"spec_num_accepted_tokens_pos{pos}"]
-            if value > worker._counted.get(key, 0.0):
-                m.spec_decode_num_accepted_tokens_per_pos.labels(**labels, position=str(pos)).inc(
-                    value - worker._counted.get(key, 0.0))
-                worker._counted[key] = value
+            advance_labelled(worker, "spec_decode_num_accepted_tokens_per_pos",
+                             stats[f"spec_num_accepted_tokens_pos{pos}"], position=str(pos))
             pos += 1
     if "remote_prefix_read_blocks" in stats:  # a prefill worker's remote prefix reads
-        for outcome in ("ok", "fallback", "aborted"):
-            key = f"remote_prefix_reads/{outcome}"
-            value, seen = stats[f"remote_prefix_reads_{outcome}"], worker._counted.get(key)
-            if seen is None or value > seen:
-                m.remote_prefix_reads.labels(**labels, outcome=outcome).inc(value - (seen or 0))
-                worker._counted[key] = value
+        for outcome in ("ok", "fallback", "aborted"):  # (each series exists from the first report, at 0)
+            advance_labelled(worker, "remote_prefix_reads", stats[f"remote_prefix_reads_{outcome}"], create=True,
+                             outcome=outcome)
         worker.count_total("remote_prefix_read_bytes", stats["remote_prefix_read_bytes"])
         m.kv_pinned_blocks.labels(**labels).set(stats["num_pinned_blocks"])

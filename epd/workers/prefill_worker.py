@@ -71,6 +71,13 @@ class PrefillWorker(EngineWorker):
                 return
             if msg.prefix_holder and self.prefix_reader.start(msg, arrival):
                 return  # admitted once its prefix was read (poll)
+        except Exception as e:  # every failure is reported, saying who failed
+            self.admit_failed(msg, e)
+            return
+        self._fetch_or_fail(msg)
+
+    def _fetch_or_fail(self, msg: PrefillRequest) -> None:
+        try:
             self.fetch_then_admit(msg, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
         except Exception as e:  # every failure is reported, saying who failed
             self.admit_failed(msg, e)
@@ -117,10 +124,7 @@ class PrefillWorker(EngineWorker):
         super().poll()
         self._serve_prefix_notifs()
         for msg, _ in self.prefix_reader.poll():
-            try:
-                self.fetch_then_admit(msg, msg.encode_instance, list(msg.embeddings), list(msg.placeholders))
-            except Exception as e:  # every failure is reported, saying who failed
-                self.admit_failed(msg, e)
+            self._fetch_or_fail(msg)
         while self.waiting_staging and self.kv.has_room(self.waiting_staging[0][0]):
             msg, arrival = self.waiting_staging.popleft()
             self.handle_role(msg, arrival)
